@@ -1,0 +1,14 @@
+"""Runtime adapters for SGLang speculative decoding under tensor parallelism.
+
+One module per concern, each with the same surface (NAME, FLAG, SUMMARY, TARGETS,
+parse, check, install, uninstall). This table imports none of them: choosing what
+to patch costs nothing in processes that patch nothing.
+"""
+
+import importlib
+
+ADAPTERS = ("folded_fence",)
+
+
+def load(name: str):
+    return importlib.import_module(f"{__name__}.{name}")

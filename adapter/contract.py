@@ -1,0 +1,171 @@
+"""What an adapter needs from the engine, checked before anything is patched.
+
+Each adapter states the engine symbols it relies on (names, parameter names and
+kinds, struct fields) and, where the hazard can escape through call sites, every
+call site it knows. A mismatch raises `Refused`, which names the adapter, the
+symbol and the engine version: the engine must then not start.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
+KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
+
+
+def engine_version() -> str:
+    # Read from the distribution metadata: importing sglang itself has side effects.
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+class Refused(Exception):
+    """The engine drifted from what an adapter needs; the engine must not start."""
+
+    def __init__(self, adapter: str, symbol: str, problem: str):
+        self.adapter, self.symbol, self.problem = adapter, symbol, problem
+        self.version = engine_version()
+        super().__init__(f"{adapter} refused on sglang {self.version}: {symbol}: {problem}")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One attribute an adapter replaces: `owner.name` wrapped by `wrapper` (wrapt style)."""
+
+    owner: object
+    name: str
+    wrapper: Callable
+
+
+@dataclass
+class Plan:
+    """What installing an adapter into one module would do, decided by `check`."""
+
+    state: str  # "applied" or "superseded"
+    detail: str
+    patches: list[Patch] = field(default_factory=list)
+
+
+class Contract:
+    """Checks one engine module on behalf of one adapter; every failure is a `Refused`."""
+
+    def __init__(self, adapter: str, module):
+        self.adapter = adapter
+        self.module = module
+
+    def refuse(self, symbol: str, problem: str) -> Refused:
+        return Refused(self.adapter, f"{self.module.__name__}:{symbol}", problem)
+
+    def attr(self, dotted: str, *, own: bool = True):
+        """Resolve `Class.attr` in the module; `own` insists it is defined on the class
+        itself, since a wrapper set on a subclass would shadow, not replace, it."""
+        owner, obj = None, self.module
+        for part in dotted.split("."):
+            source = vars(obj) if (own and owner is not None and inspect.isclass(obj)) else None
+            if source is not None:
+                if part not in source:
+                    raise self.refuse(dotted, f"'{part}' is not defined on {obj.__name__}")
+                owner, obj = obj, source[part]
+            elif hasattr(obj, part):
+                owner, obj = obj, getattr(obj, part)
+            else:
+                raise self.refuse(dotted, "missing")
+        return obj
+
+    def params(self, dotted: str, required: dict[str, inspect._ParameterKind]):
+        """The function exists and takes each named parameter with the given kind."""
+        func = self.attr(dotted)
+        if not callable(func):
+            raise self.refuse(dotted, "is no longer callable")
+        sig = inspect.signature(func)
+        for name, kind in required.items():
+            param = sig.parameters.get(name)
+            if param is None:
+                raise self.refuse(dotted, f"parameter '{name}' is gone (signature now {sig})")
+            if param.kind != kind:
+                raise self.refuse(
+                    dotted, f"parameter '{name}' is {param.kind.description}, expected {kind.description}"
+                )
+        return func
+
+    def struct_fields(self, dotted: str, fields: tuple[str, ...]):
+        """A msgspec struct or dataclass with exactly these fields: a new field would be
+        one the adapter does not handle."""
+        cls = self.attr(dotted)
+        found = getattr(cls, "__struct_fields__", None)
+        if found is None and hasattr(cls, "__dataclass_fields__"):
+            found = tuple(cls.__dataclass_fields__)
+        if found is None:
+            raise self.refuse(dotted, "is no longer a struct with named fields")
+        if tuple(found) != tuple(fields):
+            raise self.refuse(dotted, f"fields are {tuple(found)}, expected {tuple(fields)}")
+        return cls
+
+    def source(self) -> str:
+        try:
+            return inspect.getsource(self.module)
+        except (OSError, TypeError) as exc:
+            raise self.refuse("<source>", f"module source is unreadable ({exc}); call sites cannot be checked")
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """A call of one of the watched methods, found in a module's source."""
+
+    function: str  # qualified name of the enclosing function, or "<module>"
+    line: int
+    method: str
+    write_target: bool  # passed as an `out=`/`*_out=` argument: the callee writes through it
+
+
+def call_sites(source: str, methods: Iterable[str]) -> list[CallSite]:
+    """Every call `<anything>.<method>(...)` for the given method names, with the
+    function that makes it. Read from the source, so nothing is imported or run."""
+    methods = frozenset(methods)
+    found: list[CallSite] = []
+
+    class Visitor(ast.NodeVisitor):
+        def __init__(self):
+            self.scope: list[str] = []
+            self.out_args: set[int] = set()
+
+        def _scoped(self, node):
+            self.scope.append(node.name)
+            self.generic_visit(node)
+            self.scope.pop()
+
+        visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _scoped
+
+        def visit_Call(self, node: ast.Call):
+            for kw in node.keywords:
+                if kw.arg and (kw.arg == "out" or kw.arg.endswith("_out")):
+                    self.out_args.add(id(kw.value))
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in methods:
+                found.append(
+                    CallSite(
+                        function=".".join(self.scope) or "<module>",
+                        line=node.lineno,
+                        method=func.attr,
+                        write_target=id(node) in self.out_args,
+                    )
+                )
+            self.generic_visit(node)
+
+    Visitor().visit(ast.parse(source))
+    return found
+
+
+def first_line(obj) -> Optional[int]:
+    try:
+        return inspect.getsourcelines(obj)[1]
+    except (OSError, TypeError):
+        return None

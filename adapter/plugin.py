@@ -1,0 +1,49 @@
+"""The pack's entry in the engine's plugin loader (group `sglang.srt.plugins`).
+
+The engine spawns each TP rank as a fresh interpreter and calls its plugin loader
+first thing there, so this is how every rank gets the same adapters. The loader
+also runs in the launcher, DP controller and detokenizer: here it only registers a
+hook, importing nothing heavy. The adapters are applied at the start of
+`Scheduler.__init__`, i.e. in every rank and before any worker is built or graph
+captured; a refusal raised there goes down the engine's own start-up failure path
+(the rank signals the launcher, which kills the process tree), because the plugin
+loader itself logs and swallows exceptions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import wrapt
+
+from . import ADAPTERS, load, patching, runtime
+from .contract import Patch
+
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+GUARD = "pack-guard"
+
+
+def register() -> None:
+    wrapt.register_post_import_hook(_guard_scheduler, SCHEDULER_MODULE)
+
+
+def _apply_before_init(wrapped, instance, args, kwargs):
+    error = runtime.refusal(runtime.apply_all())
+    if error is not None:
+        raise error
+    return wrapped(*args, **kwargs)
+
+
+def _guard_scheduler(module) -> None:
+    scheduler = getattr(module, "Scheduler", None)
+    if scheduler is not None and "__init__" in vars(scheduler):
+        patching.apply(Patch(scheduler, "__init__", _apply_before_init), GUARD)
+        return
+    message = (
+        f"{runtime.PREFIX} {SCHEDULER_MODULE}.Scheduler.__init__ is gone: the pack cannot apply "
+        "its adapters inside the ranks"
+    )
+    if any(load(name).FLAG in os.environ for name in ADAPTERS):
+        # The loader swallows Exception; SystemExit ends this process, so the rank dies.
+        raise SystemExit(message)
+    print(message, flush=True)

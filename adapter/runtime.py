@@ -1,0 +1,137 @@
+"""Deciding and applying every adapter in one process, and reporting what happened.
+
+Used by the entrypoint (launcher, doctor) and by the plugin inside each TP rank, so
+that every process takes its decision the same way and prints the same lines.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from . import ADAPTERS, load
+from .contract import Refused, engine_version
+from .flags import FlagError
+
+PREFIX = "[sglang-adapters]"
+PLUGIN_GROUP = "sglang.srt.plugins"
+PLUGIN_TARGET = "adapter.plugin:register"
+
+OFF, APPLIED, SUPERSEDED, REFUSED = "off", "applied", "superseded", "refused"
+
+
+class AdapterRefused(Exception):
+    """Raised where it stops the engine: an ordinary Exception, so that inside a rank the
+    engine's own start-up failure path (SIGQUIT to the launcher, tree kill) takes over."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    adapter: str
+    flag: str
+    value: Optional[str]  # the raw environment value, None when unset
+    state: str
+    reason: str
+    engine: str
+
+    def line(self) -> str:
+        value = "<unset>" if self.value is None else repr(self.value)
+        return (
+            f"{PREFIX} pid={os.getpid()} {self.adapter} {self.flag}={value}: "
+            f"{self.state.upper()} - {self.reason} (sglang {self.engine})"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _import_target(adapter, module_name: str, required: bool):
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        if required:
+            raise Refused(adapter.NAME, module_name, "module is missing from this engine")
+        return None
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:  # an engine module that no longer imports cannot be checked
+        raise Refused(adapter.NAME, module_name, f"import failed: {type(exc).__name__}: {exc}") from exc
+
+
+def engine_check(adapter, *, patch: bool) -> tuple[str, str]:
+    """Check (and with `patch`, install) the adapter in every module it targets.
+
+    Returns (state, reason). A module-level "not needed" never makes the adapter
+    applied on its own: something must be patched or already fixed upstream.
+    """
+    plans = []
+    try:
+        for module_name, required in adapter.TARGETS:
+            module = _import_target(adapter, module_name, required)
+            if module is not None:
+                plans.append((adapter.install if patch else adapter.check)(module))
+    except Refused as exc:
+        return REFUSED, str(exc)
+    done = [p for p in plans if p.state in (APPLIED, SUPERSEDED)]
+    if not done:
+        return REFUSED, f"{adapter.NAME} found nothing to patch and no upstream fix on sglang {engine_version()}"
+    state = APPLIED if any(p.state == APPLIED for p in done) else SUPERSEDED
+    return state, "; ".join(p.detail for p in done)
+
+
+def decide(adapter, environ: Mapping[str, str], *, patch: bool = True) -> Outcome:
+    """The adapter's outcome in this process: off, applied, superseded or refused."""
+    value = environ.get(adapter.FLAG)
+    try:
+        enabled = adapter.parse(environ)
+    except FlagError as exc:
+        state, reason = REFUSED, str(exc)
+    else:
+        if not enabled:
+            state, reason = OFF, f"{adapter.FLAG} is off"
+        else:
+            state, reason = engine_check(adapter, patch=patch)
+    return Outcome(adapter.NAME, adapter.FLAG, value, state, reason, engine_version())
+
+
+def delivery_problems(environ: Mapping[str, str]) -> list[str]:
+    """Why spawned ranks would not run the pack's plugin, if they would not."""
+    ours = [ep for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP) if ep.value == PLUGIN_TARGET]
+    if not ours:
+        return [
+            f"the pack's plugin ({PLUGIN_TARGET}) is not registered in entry-point group "
+            f"{PLUGIN_GROUP}: install the pack with pip so that every TP rank loads it"
+        ]
+    allowed = environ.get("SGLANG_PLUGINS", "")
+    names = {x.strip() for x in allowed.split(",") if x.strip()}
+    if names and ours[0].name not in names:
+        return [f"SGLANG_PLUGINS={allowed!r} does not list the pack's plugin '{ours[0].name}', so ranks would skip it"]
+    return []
+
+
+_applied: Optional[list[Outcome]] = None
+
+
+def apply_all(environ: Mapping[str, str] = os.environ) -> list[Outcome]:
+    """Decide and apply every adapter once per process; print one line per adapter."""
+    global _applied
+    if _applied is None:
+        _applied = [decide(load(name), environ) for name in ADAPTERS]
+        for outcome in _applied:
+            print(outcome.line(), file=sys.stderr, flush=True)
+    return _applied
+
+
+def refusal(outcomes: list[Outcome], extra: list[str] = ()) -> Optional[AdapterRefused]:
+    reasons = [o.reason for o in outcomes if o.state == REFUSED] + list(extra)
+    if not reasons:
+        return None
+    return AdapterRefused("the engine must not start: " + " | ".join(reasons))
