@@ -15,3 +15,13 @@ fi
 "$VENV/bin/pip" install --quiet --no-deps -e .
 "$VENV/bin/pip" install --quiet "pytest==9.2.0" "pytest-timeout==2.4.0"
 echo "setup: $("$VENV/bin/python" -c 'import importlib.metadata as m; print("sglang", m.version("sglang"), "torch", m.version("torch"), "pack", m.version("sglang-dsv41-adapters"))')"
+# A second engine, sglang 0.5.18 (the last release without upstream's SpecTpSync), for the
+# adapters that act on 0.5.16-0.5.18. It sits beside the venv in --target folders with its
+# own older pins; PYTHONPATH=$ENGINE_0518 selects it (tests/conftest.py does this).
+E18=.engines/sglang-0.5.18
+if [ ! -d "$E18/sglang" ]; then
+  "$VENV/bin/pip" install --quiet --no-deps --target "$E18" "sglang==0.5.18"
+  "$VENV/bin/pip" install --quiet --no-deps --target .engines/deps-0.5.18 \
+    "transformers==5.12.1" "tokenizers==0.22.2" "huggingface-hub==1.33.0" "xgrammar==0.2.9"
+fi
+echo "setup: sglang 0.5.18 in $E18 (+ .engines/deps-0.5.18)"
