@@ -1,0 +1,27 @@
+"""Where the pinned engine releases live for the tests (scripts/setup.sh installs them)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# 0.5.23 is the venv's own sglang; 0.5.18 sits in --target folders put first on the path.
+ENGINE_PATHS = {
+    "0.5.23": [],
+    "0.5.18": [ROOT / ".engines" / "sglang-0.5.18", ROOT / ".engines" / "deps-0.5.18"],
+}
+
+
+def engine_env(release: str, **extra: str) -> dict[str, str]:
+    """Environment for a child interpreter that imports `release` of the engine."""
+    paths = [str(p) for p in ENGINE_PATHS[release]] + [str(ROOT)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env["PYTHONPATH"]] if env.get("PYTHONPATH") else paths)
+    env.update(extra)
+    return env
+
+
+def python() -> str:
+    return sys.executable
