@@ -19,7 +19,7 @@ import os
 import pathlib
 from collections.abc import Mapping
 
-from . import patching
+from . import accept_snapshot, patching
 from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, call_sites
 from .flags import parse_switch
 
@@ -47,8 +47,10 @@ def parse(environ: Mapping[str, str] = os.environ) -> bool:
 
 def detach_accept(outs):
     """A copy of an `AcceptOuts` whose fields own their memory (queued on the current
-    stream, which is the forward stream where the verify ran)."""
-    return type(outs)(**{name: getattr(outs, name).clone() for name in FIELDS})
+    stream, which is the forward stream where the verify ran). On CUDA one fresh block
+    filled by one launch, else plain clones (accept_snapshot); the fields are passed
+    in order, which `check` pins (AcceptOuts has exactly FIELDS, in this order)."""
+    return accept_snapshot.detach(outs, FIELDS)
 
 
 def _fence_folded_accept(wrapped, instance, args, kwargs):
@@ -76,8 +78,9 @@ ESCAPES = {
     SAMPLING_ACCEPT_GRAPH: {"DsparkSamplingAcceptGraph.run": _fence_region_accept},
     WORKER: {"DSparkWorkerV2._block_accept_lens": _fence_block_accept_lens},
 }
-# Reader calls made inside graph capture to write through the views: not escapes.
-IN_GRAPH_WRITES = {VERIFY: {"DsparkVerifyEpilogue._accept_static_greedy"}}
+# Reader calls that are not escapes: a captured write through the views, and the
+# upstream fix's snapshot, which copies them.
+NOT_ESCAPES = {VERIFY: {"DsparkVerifyEpilogue._accept_static_greedy", f"DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT}"}}
 # Parameters the wrappers rely on, per escaping function.
 ESCAPE_PARAMS = {
     "TargetVerifyExecutor.accept_and_finalize": {"folded_accept": KEYWORD_ONLY, "bs": KEYWORD_ONLY},
@@ -122,7 +125,7 @@ def check(module) -> Plan:
         if site.method == UPSTREAM_SNAPSHOT:
             superseded.append(site.function)
             continue
-        if site.write_target or site.function in IN_GRAPH_WRITES.get(key, ()):
+        if site.write_target or site.function in NOT_ESCAPES.get(key, ()):
             continue
         if site.function not in escapes:
             raise contract.refuse(

@@ -1,0 +1,110 @@
+"""Shared fixtures: real sglang 0.5.23 DSpark objects built on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+import torch
+
+from adapter import folded_fence
+
+VERIFY = folded_fence.VERIFY
+
+
+def doctored_module(real_name: str, *replacements: tuple[str, str], tmp_path):
+    """A copy of a real engine module with each (old, new) replacement applied once,
+    loaded under the real name but not registered in sys.modules."""
+    origin = importlib.util.find_spec(real_name).origin
+    source = open(origin, encoding="utf-8").read()
+    for old, new in replacements:
+        assert source.count(old) >= 1, f"doctoring {real_name}: {old!r} not found in the real source"
+        source = source.replace(old, new, 1)
+    path = tmp_path / (real_name.rpartition(".")[2] + "_doctored.py")
+    path.write_text(source, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(real_name, path)
+    module = importlib.util.module_from_spec(spec)
+    # The engine registers named invariants at import and refuses duplicates; the copy's
+    # registrations are kept apart so the real module's stay as they were.
+    from sglang.srt.utils import invariants
+
+    saved = dict(invariants._REGISTRY)
+    invariants._REGISTRY.clear()
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        invariants._REGISTRY.clear()
+        invariants._REGISTRY.update(saved)
+    return module
+
+
+class Step:
+    """The values one verify step leaves in the epilogue buffers, distinct per step."""
+
+    def __init__(self, step: int, bs: int, stride: int):
+        base = 1000 * step
+        self.values = {
+            "correct_len": torch.arange(bs, dtype=torch.int64) + base + 1,
+            "bonus": torch.arange(bs, dtype=torch.int64) + base + 2,
+            "cap_trim_lens": torch.arange(bs, dtype=torch.int32) + base + 3,
+            "commit_lens": torch.arange(bs, dtype=torch.int32) + base + 4,
+            "new_seq_lens": torch.arange(bs, dtype=torch.int64) + base + 5,
+            "out_tokens": torch.arange(bs * stride, dtype=torch.int64).view(bs, stride) + base + 6,
+        }
+
+    def write(self, epilogue) -> None:
+        """Write the step into the persistent buffers, as a verify graph replay does."""
+        for name, value in self.values.items():
+            getattr(epilogue, f"{name}_buf")[: value.shape[0]].copy_(value)
+
+    def matches(self, outs) -> dict[str, bool]:
+        return {name: torch.equal(getattr(outs, name), value) for name, value in self.values.items()}
+
+
+@pytest.fixture
+def verify():
+    import sglang.srt.speculative.dspark_components.dspark_verify as module
+
+    yield module
+    folded_fence.uninstall(module)
+
+
+@pytest.fixture
+def dspark(verify):
+    """A real DsparkVerifyEpilogue and TargetVerifyExecutor (sglang 0.5.23) on the CPU.
+
+    The TP group is an attribute holder for a single rank: SpecTpSync only reads
+    world_size and rank_in_group from it at TP=1. The target worker is reduced to the
+    one config field the executor reads (the model type)."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+    max_bs, stride = 16, 4
+    tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
+    epilogue = verify.DsparkVerifyEpilogue(max_bs=max_bs, verify_num_draft_tokens=stride, device="cpu", tp_sync=tp_sync)
+    config = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(model_type="llama"))
+    runner = types.SimpleNamespace(model_config=config)
+    executor = verify.TargetVerifyExecutor(
+        target_worker=types.SimpleNamespace(model_runner=runner), gamma=stride - 1, verify_num_draft_tokens=stride,
+        model_runner=runner, kv_injector=None, tp_sync=tp_sync, verify_epilogue=epilogue,
+    )
+    return types.SimpleNamespace(module=verify, epilogue=epilogue, executor=executor, stride=stride, tp_sync=tp_sync)
+
+
+def accept_kwargs(verify, *, bs: int, stride: int, folded: bool, seed: int = 0) -> dict:
+    """Keyword arguments of one accept_and_finalize call, as the DSpark worker passes them."""
+    from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockResult
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 17
+    candidates = torch.randint(0, vocab, (bs, stride), generator=gen)
+    draft_block = DraftBlockResult(
+        draft_tokens=candidates[:, 1:].contiguous(), corrected_logits=None,
+        greedy_mask=torch.ones(bs, dtype=torch.bool), temperatures=torch.zeros(bs), greedy_draft=True,
+    )
+    return dict(
+        folded_accept=folded, bs=bs, verify_ids_2d=candidates,
+        target_logits=torch.randn(bs * stride, vocab, generator=gen), draft_block=draft_block,
+        sampling_info=None, draft_input=None, layout=None,
+        prefix_lens=torch.arange(bs, dtype=torch.int64) + 10, draft_tokens=candidates[:, 1:].contiguous(),
+    )

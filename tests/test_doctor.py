@@ -1,0 +1,45 @@
+"""`entrypoint.py doctor` against the real engines (0.5.23 in the venv, 0.5.18 beside it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.engines import ROOT, engine_env, python
+
+
+def doctor(release: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([python(), "entrypoint.py", "doctor", *args], cwd=ROOT, env=engine_env(release, **env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_doctor_json_on_0_5_23_with_the_fence_on():
+    done = doctor("0.5.23", "--json", "--strict", DSV41_FOLDED_FENCE="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["engine"] == "0.5.23" and report["delivery_problems"] == []
+    fence = next(a for a in report["adapters"] if a["adapter"] == "folded_fence")
+    assert (fence["flag"], fence["value"], fence["state"], fence["engine_check"]) == ("DSV41_FOLDED_FENCE", "1", "applied", "applied")
+    for route in ("TargetVerifyExecutor.accept_and_finalize", "DsparkSamplingAcceptGraph.run", "DSparkWorkerV2._block_accept_lens"):
+        assert route in fence["reason"]
+    # One line per adapter for this process, on stderr.
+    assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED" in done.stderr
+
+
+def test_doctor_checks_the_engine_even_with_the_flag_off_on_0_5_18():
+    done = doctor("0.5.18", "--json", "--strict")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["engine"] == "0.5.18"
+    fence = next(a for a in report["adapters"] if a["adapter"] == "folded_fence")
+    assert (fence["value"], fence["state"], fence["engine_check"]) == (None, "off", "applied")
+    # 0.5.18 has one escape route only: no sampling-accept graph, no block_accept_lens view.
+    assert fence["engine_check_reason"] == "fenced TargetVerifyExecutor.accept_and_finalize"
+
+
+def test_doctor_strict_fails_when_ranks_would_skip_the_plugin():
+    done = doctor("0.5.23", "--strict", DSV41_FOLDED_FENCE="on", SGLANG_PLUGINS="some_other_plugin")
+    assert done.returncode == 1
+    table = done.stdout
+    assert "folded_fence  DSV41_FOLDED_FENCE  on     applied  applied" in table
+    assert "SGLANG_PLUGINS='some_other_plugin' does not list the pack's plugin 'dsv41_adapters'" in table

@@ -1,0 +1,225 @@
+"""The folded-result fence on the real sglang 0.5.23 DSpark modules, on the CPU."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+import torch
+
+from adapter import folded_fence, patching
+from adapter.contract import Refused
+from tests.conftest import Step, accept_kwargs, doctored_module
+
+FIELDS = folded_fence.FIELDS
+BATCH_SIZES = (1, 5, 16)
+
+
+def shares_memory(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def aliased_fields(outs, epilogue) -> list[str]:
+    return [f for f in FIELDS if shares_memory(getattr(outs, f), getattr(epilogue, f"{f}_buf"))]
+
+
+def folded_step(dspark, bs: int):
+    """Step N lands in the buffers, the folded accept hands out its result, step N+1 lands."""
+    step_n, step_next = Step(1, bs, dspark.stride), Step(2, bs, dspark.stride)
+    step_n.write(dspark.epilogue)
+    outs = dspark.executor.accept_and_finalize(**accept_kwargs(dspark.module, bs=bs, stride=dspark.stride, folded=True))
+    step_next.write(dspark.epilogue)
+    return outs, step_n, step_next
+
+
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+def test_without_fence_folded_result_aliases_the_buffers(dspark, bs):
+    outs, step_n, step_next = folded_step(dspark, bs)
+    assert aliased_fields(outs, dspark.epilogue) == list(FIELDS)
+    # The hazard: a late reader of step N's result sees step N+1.
+    assert all(step_next.matches(outs).values())
+
+
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+def test_fence_detaches_folded_result_and_keeps_step_n(dspark, bs):
+    plan = folded_fence.install(dspark.module)
+    assert plan.state == "applied"
+    outs, step_n, _ = folded_step(dspark, bs)
+    assert aliased_fields(outs, dspark.epilogue) == []
+    assert step_n.matches(outs) == {f: True for f in FIELDS}
+    assert type(outs) is dspark.module.AcceptOuts
+
+
+def sampling_region(dspark, bs: int):
+    """The real 0.5.23 DsparkSamplingAcceptGraph, with one captured region per batch size.
+
+    A CUDA graph cannot be captured on the CPU, so the captured graph of this key is
+    an object whose replay() does what the real replay does to the buffers: it
+    writes this step's accept into them."""
+    from sglang.srt.speculative.dspark_components import dspark_sampling_accept_graph as sag
+
+    epilogue, stride = dspark.epilogue, dspark.stride
+    logits = torch.zeros(bs * stride, 17)
+    epilogue.static_io[bs] = dspark.module.StaticVerifyIO(
+        candidates=torch.zeros(bs, stride, dtype=torch.int64), logits=logits, hidden=torch.zeros(bs * stride, 2),
+        seq_lens=torch.zeros(bs, dtype=torch.int64), req_pool_indices=torch.zeros(bs, dtype=torch.int64),
+        out_cache_loc=torch.zeros(bs * stride, dtype=torch.int64), positions=torch.zeros(bs * stride, dtype=torch.int64),
+    )
+    sampler = types.SimpleNamespace(greedy_draft=True, step_logits=None, params=types.SimpleNamespace(temperatures=torch.ones(bs)))
+    region = sag.DsparkSamplingAcceptGraph(
+        epilogue=epilogue, resolve_draft_sampler=lambda: sampler, tp_sync=dspark.tp_sync,
+        fused_argmax=False, block_verification=False, device="cpu",
+    )
+    key = (bs, logits.data_ptr(), sampler.params.temperatures.data_ptr(), 0)
+    step_n = Step(1, bs, stride)
+    region._graphs[key] = types.SimpleNamespace(replay=lambda: step_n.write(epilogue))
+    return sag, region, logits, step_n
+
+
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+def test_fence_covers_the_sampling_accept_graph_route(dspark, bs):
+    sag, region, logits, step_n = sampling_region(dspark, bs)
+    step_next = Step(2, bs, dspark.stride)
+    unfenced = region.run(bs=bs, target_logits=logits)
+    step_next.write(dspark.epilogue)
+    assert region.num_replays == 1
+    assert aliased_fields(unfenced, dspark.epilogue) == list(FIELDS)
+    assert all(step_next.matches(unfenced).values())
+
+    folded_fence.install(sag)
+    try:
+        fenced = region.run(bs=bs, target_logits=logits)
+        step_next.write(dspark.epilogue)
+        assert region.num_replays == 2
+        assert aliased_fields(fenced, dspark.epilogue) == []
+        assert step_n.matches(fenced) == {f: True for f in FIELDS}
+        # A step the region declines still returns None, fenced or not.
+        assert region.run(bs=bs, target_logits=torch.zeros_like(logits)) is None
+    finally:
+        folded_fence.uninstall(sag)
+
+
+def test_fence_covers_the_block_accept_lens_route(dspark):
+    """0.5.23 hands a view of block_accept_lens_buf to the batch result when the
+    post-forward graph is on; the real DSparkWorkerV2._block_accept_lens is called."""
+    from sglang.srt.speculative.dspark_components import dspark_worker_v2 as worker_module
+
+    bs = 6
+    dspark.epilogue.block_accept_lens_buf = torch.zeros(16, dtype=torch.int32)
+    dspark.epilogue.block_accept_lens_buf[:bs] = torch.arange(bs, dtype=torch.int32) + 7
+    worker = object.__new__(worker_module.DSparkWorkerV2)
+    worker._verify_epilogue = dspark.epilogue
+    accept = dspark.module.AcceptOuts(**{f: torch.ones(bs, dtype=torch.int32) for f in FIELDS})
+
+    view = worker._block_accept_lens(accept=accept, folded_accept=True, bs=bs)
+    assert shares_memory(view, dspark.epilogue.block_accept_lens_buf)
+    folded_fence.install(worker_module)
+    try:
+        fenced = worker._block_accept_lens(accept=accept, folded_accept=True, bs=bs)
+        dspark.epilogue.block_accept_lens_buf.fill_(-1)
+        assert not shares_memory(fenced, dspark.epilogue.block_accept_lens_buf)
+        assert fenced.tolist() == [7, 8, 9, 10, 11, 12]
+        eager = worker._block_accept_lens(accept=accept, folded_accept=False, bs=bs)
+        assert eager.tolist() == [2] * bs
+    finally:
+        folded_fence.uninstall(worker_module)
+
+
+def test_eager_path_returns_what_it_returned_before(dspark):
+    kwargs = dict(bs=7, stride=dspark.stride, folded=False, seed=3)
+    before = dspark.executor.accept_and_finalize(**accept_kwargs(dspark.module, **kwargs))
+    folded_fence.install(dspark.module)
+    after = dspark.executor.accept_and_finalize(**accept_kwargs(dspark.module, **kwargs))
+    for name in FIELDS:
+        assert torch.equal(getattr(before, name), getattr(after, name)), name
+        assert getattr(before, name).dtype == getattr(after, name).dtype
+    # The wrapper hands the eager result through as the very same object.
+    marker = object()
+    assert folded_fence._fence_folded_accept(lambda **kw: marker, None, (), {"folded_accept": False}) is marker
+
+
+def test_install_twice_wraps_once_and_uninstall_restores(verify):
+    cls = verify.TargetVerifyExecutor
+    original = vars(cls)["accept_and_finalize"]
+    signature = inspect.signature(cls.accept_and_finalize)
+    folded_fence.install(verify)
+    folded_fence.install(verify)
+    wrapper = vars(cls)["accept_and_finalize"]
+    assert patching.wrapped_by(cls, "accept_and_finalize") == folded_fence.NAME
+    assert wrapper.__wrapped__ is original  # one layer, not two
+    assert inspect.signature(cls.accept_and_finalize) == signature
+    assert cls.accept_and_finalize.__name__ == "accept_and_finalize"
+    folded_fence.uninstall(verify)
+    assert vars(cls)["accept_and_finalize"] is original
+    assert patching.wrapped_by(cls, "accept_and_finalize") is None
+
+
+def test_check_patches_nothing(verify):
+    plan = folded_fence.check(verify)
+    assert plan.state == "applied" and [p.name for p in plan.patches] == ["accept_and_finalize"]
+    assert patching.wrapped_by(verify.TargetVerifyExecutor, "accept_and_finalize") is None
+
+
+# Each doctored copy of the real dspark_verify differs from it in one place.
+DRIFTS = {
+    "method renamed": (
+        [("    def accept_and_finalize(\n", "    def accept_and_finalise(\n")],
+        "TargetVerifyExecutor.accept_and_finalize",
+    ),
+    "keyword renamed": (
+        [("        folded_accept: bool,\n", "        fold_accept: bool,\n"), ("        if folded_accept:\n", "        if fold_accept:\n")],
+        "parameter 'folded_accept' is gone",
+    ),
+    "AcceptOuts field renamed": (
+        [("class AcceptOuts(msgspec.Struct):\n    correct_len:", "class AcceptOuts(msgspec.Struct):\n    accepted_len:")],
+        "AcceptOuts: fields are ('accepted_len'",
+    ),
+    "one more escape route": (
+        [("    def accept_and_finalize(\n", "    def peek_accept(self, bs):\n        return self.verify_epilogue.read_accept(bs)\n\n    def accept_and_finalize(\n")],
+        "TargetVerifyExecutor.peek_accept: line",
+    ),
+    "read_accept re-signatured": (
+        [("    def read_accept(self, bs: int) -> AcceptOuts:\n", "    def read_accept(self, batch_size: int) -> AcceptOuts:\n        bs = batch_size\n")],
+        "DsparkVerifyEpilogue.read_accept: parameter 'bs' is gone",
+    ),
+    "folded path returns something else": (
+        [("            return self.verify_epilogue.read_accept(bs)\n", "            return self.verify_epilogue.accept_views(bs)\n")],
+        "no longer returns read_accept(bs)",
+    ),
+}
+
+
+@pytest.mark.parametrize("drift", sorted(DRIFTS))
+def test_drifted_copies_are_refused_naming_the_symbol(drift, tmp_path):
+    replacements, expected = DRIFTS[drift]
+    module = doctored_module(folded_fence.VERIFY, *replacements, tmp_path=tmp_path)
+    with pytest.raises(Refused) as refused:
+        folded_fence.install(module)
+    message = str(refused.value)
+    assert expected in message
+    assert message.startswith("folded_fence refused on sglang 0.5.23: sglang.srt.speculative.dspark_components.dspark_verify:")
+    # Nothing was patched on the way to the refusal.
+    for name in ("accept_and_finalize", "accept_and_finalise", "peek_accept"):
+        assert patching.wrapped_by(module.TargetVerifyExecutor, name) is None
+
+
+def test_copy_that_already_detaches_is_superseded(tmp_path):
+    """The upstream fix (snapshot_accept) as a doctored copy of the real module."""
+    snapshot = (
+        "    def snapshot_accept(self, bs: int) -> AcceptOuts:\n"
+        "        views = self.read_accept(bs)\n"
+        "        return AcceptOuts(**{f: getattr(views, f).clone() for f in AcceptOuts.__struct_fields__})\n\n"
+        "    def read_accept(self, bs: int) -> AcceptOuts:\n"
+    )
+    module = doctored_module(
+        folded_fence.VERIFY,
+        ("            return self.verify_epilogue.read_accept(bs)\n", "            return self.verify_epilogue.snapshot_accept(bs)\n"),
+        ("    def read_accept(self, bs: int) -> AcceptOuts:\n", snapshot),
+        tmp_path=tmp_path,
+    )
+    plan = folded_fence.install(module)
+    assert plan.state == "superseded"
+    assert "DsparkVerifyEpilogue.snapshot_accept" in plan.detail
+    assert plan.patches == []
+    assert patching.wrapped_by(module.TargetVerifyExecutor, "accept_and_finalize") is None

@@ -1,0 +1,110 @@
+"""The pack reaches every engine process through the engine's own plugin loader.
+
+Each case runs in a real `multiprocessing` spawn child (the start method the engine
+uses for its TP ranks), which calls sglang's `load_plugins()` and then constructs the
+engine's `Scheduler`, as `run_scheduler_process` does. The adapters are applied at
+the start of `Scheduler.__init__`; the rest of that constructor is not run here (it
+fails on the placeholder arguments, after the adapters have been applied).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import multiprocessing
+
+import pytest
+
+from adapter import folded_fence, runtime
+
+
+def rank_process(doctor_engine: bool, tmp_dir: str, results) -> None:
+    import pathlib
+
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    if doctor_engine:  # a drifted engine: dspark_verify with its AcceptOuts changed
+        import sys
+
+        from tests.conftest import doctored_module
+
+        sys.modules[folded_fence.VERIFY] = doctored_module(
+            folded_fence.VERIFY, ("    out_tokens: torch.Tensor\n", "    out_tokens: torch.Tensor\n    extra: torch.Tensor\n"),
+            tmp_path=pathlib.Path(tmp_dir),
+        )
+    from sglang.srt.managers.scheduler import Scheduler
+
+    try:
+        Scheduler(None, None)
+    except runtime.AdapterRefused:
+        raise  # the refusal must stop this process
+    except Exception as exc:  # the real constructor on placeholder arguments
+        results.put(("constructor", type(exc).__name__))
+    from adapter import patching
+    from sglang.srt.speculative.dspark_components import dspark_verify
+
+    results.put(("fence", patching.wrapped_by(dspark_verify.TargetVerifyExecutor, "accept_and_finalize")))
+
+
+def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False):
+    if flag is None:
+        monkeypatch.delenv(folded_fence.FLAG, raising=False)
+    else:
+        monkeypatch.setenv(folded_fence.FLAG, flag)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=rank_process, args=(doctor_engine, str(tmp_path), results))
+    child.start()
+    child.join(timeout=180)
+    assert not child.is_alive(), "the spawned rank hung"
+    found = {}
+    while not results.empty():
+        key, value = results.get()
+        found[key] = value
+    return child.exitcode, found
+
+
+def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_path, capfd):
+    code, found = spawn_rank(monkeypatch, "1", tmp_path)
+    assert code == 0
+    assert "constructor" in found and found["fence"] == folded_fence.NAME
+    err = capfd.readouterr().err
+    assert f"folded_fence DSV41_FOLDED_FENCE='1': APPLIED - fenced TargetVerifyExecutor.accept_and_finalize" in err
+
+
+def test_spawned_rank_is_untouched_when_the_flag_is_unset(monkeypatch, tmp_path, capfd):
+    code, found = spawn_rank(monkeypatch, None, tmp_path)
+    assert code == 0
+    assert "constructor" in found and found["fence"] is None
+    assert "folded_fence DSV41_FOLDED_FENCE=<unset>: OFF" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("flag,doctor_engine,reason", [
+    ("1", True, "AcceptOuts: fields are ('correct_len', 'bonus', 'cap_trim_lens', 'commit_lens', 'new_seq_lens', 'out_tokens', 'extra')"),
+    ("yes", False, "DSV41_FOLDED_FENCE='yes' is not understood"),
+])
+def test_refusal_inside_a_spawned_rank_stops_it(monkeypatch, tmp_path, capfd, flag, doctor_engine, reason):
+    code, found = spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=doctor_engine)
+    assert code != 0
+    assert "fence" not in found and "constructor" not in found  # the engine's constructor never ran
+    err = capfd.readouterr().err
+    assert "AdapterRefused: the engine must not start: " in err
+    assert reason in err
+    assert "sglang 0.5.23" in err
+
+
+def test_the_engine_turns_an_exception_in_scheduler_construction_into_a_tree_kill():
+    """The refusal relies on run_scheduler_process catching Exception around
+    Scheduler(...) and signalling the launcher (SIGQUIT), which kills the process tree."""
+    origin = importlib.util.find_spec("sglang.srt.managers.scheduler").origin
+    tree = ast.parse(open(origin, encoding="utf-8").read())
+    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run_scheduler_process")
+    first = func.body[0] if not isinstance(func.body[0], ast.Expr) or not isinstance(func.body[0].value, ast.Constant) else func.body[1]
+    assert ast.unparse(first) == "load_plugins()"
+    guarded = [n for n in ast.walk(func) if isinstance(n, ast.Try) and "Scheduler(server_args, port_args)" in ast.unparse(n.body)]
+    assert len(guarded) == 1
+    handler = guarded[0].handlers[0]
+    assert ast.unparse(handler.type) == "Exception"
+    assert "parent_process.send_signal(signal.SIGQUIT)" in ast.unparse(handler)
+    assert issubclass(runtime.AdapterRefused, Exception)
