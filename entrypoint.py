@@ -1,6 +1,8 @@
 """Container entrypoint of the SGLang adapter pack.
 
-    entrypoint.py doctor [--json] [--strict]   report every adapter against the installed engine
+    entrypoint.py doctor [--json] [--strict] [--engine PATH]
+                                               report every adapter against the installed engine,
+                                               or against a wheel / source tree read without importing it
     entrypoint.py [launch] SERVER-ARGS...      check flags and engine, apply the adapters here,
                                                then run `python -m sglang.launch_server SERVER-ARGS...`
 
@@ -15,9 +17,11 @@ import json
 import os
 import runpy
 import sys
+import tempfile
 
 from adapter import ADAPTERS, load, runtime
 from adapter.contract import engine_version
+from adapter.source_engine import open_engine
 
 SERVER_MODULE = "sglang.launch_server"
 
@@ -26,37 +30,51 @@ def doctor(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="entrypoint.py doctor", description="Report every adapter's outcome.")
     parser.add_argument("--json", action="store_true", help="print JSON for machines instead of a table")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any adapter is refused, on or off")
+    parser.add_argument(
+        "--engine", metavar="PATH",
+        help="check an engine that is not imported here: an sglang wheel, or a folder holding sglang/ "
+        "(an unpacked wheel or site-packages); read from its sources, nothing of it runs",
+    )
     opts = parser.parse_args(argv)
 
-    outcomes = runtime.apply_all(os.environ)
-    rows = []
-    for name, outcome in zip(ADAPTERS, outcomes):
-        adapter = load(name)
-        # The engine check runs whatever the flag says, so that a drifted engine fails
-        # `docker build` even though the image is built with every flag unset.
-        if outcome.state in (runtime.APPLIED, runtime.SUPERSEDED):
-            check = (outcome.state, outcome.reason)
+    with tempfile.TemporaryDirectory() as workdir:
+        engine = open_engine(opts.engine, workdir) if opts.engine else None
+        if engine is None:
+            outcomes = runtime.apply_all(os.environ)
         else:
-            check = runtime.engine_check(adapter, patch=False)
-        rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1]})
-    delivery = runtime.delivery_problems(os.environ)
+            outcomes = [runtime.decide(load(name), os.environ, patch=False, engine=engine) for name in ADAPTERS]
+        rows = []
+        for name, outcome in zip(ADAPTERS, outcomes):
+            adapter = load(name)
+            # The engine check runs whatever the flag says, so that a drifted engine fails
+            # `docker build` even though the image is built with every flag unset.
+            if outcome.state in (runtime.APPLIED, runtime.SUPERSEDED):
+                check = (outcome.state, outcome.reason)
+            else:
+                check = runtime.engine_check(adapter, patch=False, engine=engine)
+            rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1]})
+    if engine is None:
+        version, delivery, ranks = engine_version(), runtime.delivery_problems(os.environ), None
+    else:
+        version, delivery = engine.version, []
+        ranks = f"not checked: the engine at {opts.engine} is read from its sources, not installed here"
     failed = any(r["state"] == runtime.REFUSED or r["engine_check"] == runtime.REFUSED for r in rows)
 
     if opts.json:
-        print(json.dumps({"engine": engine_version(), "adapters": rows, "delivery_problems": delivery}, indent=2))
+        print(json.dumps({"engine": version, "source": opts.engine, "adapters": rows, "delivery_problems": delivery}, indent=2))
     else:
-        print(render_table(rows, delivery))
+        print(render_table(version, rows, delivery, ranks))
     return 1 if opts.strict and (failed or delivery) else 0
 
 
-def render_table(rows: list[dict], delivery: list[str]) -> str:
+def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str | None = None) -> str:
     header = ("adapter", "flag", "value", "outcome", "engine check")
     table = [header] + [
         (r["adapter"], r["flag"], "<unset>" if r["value"] is None else r["value"], r["state"], r["engine_check"])
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = [f"sglang {engine_version()}", ""]
+    lines = [f"sglang {version}", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.append("")
     for r in rows:
@@ -65,7 +83,9 @@ def render_table(rows: list[dict], delivery: list[str]) -> str:
         if r["engine_check_reason"] != r["reason"]:
             lines.append(f"  engine check: {r['engine_check_reason']}")
     lines.append("")
-    lines.append("ranks: " + ("; ".join(delivery) if delivery else "every TP rank loads the pack through the engine's plugin loader"))
+    if ranks is None:
+        ranks = "; ".join(delivery) if delivery else "every TP rank loads the pack through the engine's plugin loader"
+    lines.append("ranks: " + ranks)
     return "\n".join(lines)
 
 

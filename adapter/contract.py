@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import inspect
+import pathlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -27,12 +29,38 @@ def engine_version() -> str:
         return "not installed"
 
 
+def version_of(module) -> str:
+    """The release a module belongs to: set on modules read from a source tree
+    (adapter.source_engine), else the installed engine's."""
+    return getattr(module, "__engine_version__", None) or engine_version()
+
+
+def package_dir(module, package: str) -> pathlib.Path:
+    """Folder of `package` in the engine that `module` comes from (installed or a source tree)."""
+    root = getattr(module, "__engine_root__", None)
+    if root is not None:
+        return pathlib.Path(root, *package.split("."))
+    return pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
+
+
+def sibling(module, name: str):
+    """Another module of the same engine as `module`: read from the same source tree
+    for modules read from source, else imported."""
+    engine = getattr(module, "__engine__", None)
+    return engine.module(name) if engine is not None else importlib.import_module(name)
+
+
+def from_source(module) -> bool:
+    """True for modules read from a source tree: their functions cannot be called."""
+    return getattr(module, "__engine__", None) is not None
+
+
 class Refused(Exception):
     """The engine drifted from what an adapter needs; the engine must not start."""
 
-    def __init__(self, adapter: str, symbol: str, problem: str):
+    def __init__(self, adapter: str, symbol: str, problem: str, version: Optional[str] = None):
         self.adapter, self.symbol, self.problem = adapter, symbol, problem
-        self.version = engine_version()
+        self.version = version or engine_version()
         super().__init__(f"{adapter} refused on sglang {self.version}: {symbol}: {problem}")
 
 
@@ -62,7 +90,7 @@ class Contract:
         self.module = module
 
     def refuse(self, symbol: str, problem: str) -> Refused:
-        return Refused(self.adapter, f"{self.module.__name__}:{symbol}", problem)
+        return Refused(self.adapter, f"{self.module.__name__}:{symbol}", problem, version_of(self.module))
 
     def attr(self, dotted: str, *, own: bool = True):
         """Resolve `Class.attr` in the module; `own` insists it is defined on the class
@@ -108,6 +136,16 @@ class Contract:
         if tuple(found) != tuple(fields):
             raise self.refuse(dotted, f"fields are {tuple(found)}, expected {tuple(fields)}")
         return cls
+
+    def function_source(self, dotted: str) -> str:
+        func = self.attr(dotted)
+        text = getattr(func, "__source_text__", None)  # a function read from source
+        if text is not None:
+            return text
+        try:
+            return inspect.getsource(func)
+        except (OSError, TypeError) as exc:
+            raise self.refuse(dotted, f"source is unreadable ({exc})")
 
     def source(self) -> str:
         try:
@@ -163,9 +201,3 @@ def call_sites(source: str, methods: Iterable[str]) -> list[CallSite]:
     Visitor().visit(ast.parse(source))
     return found
 
-
-def first_line(obj) -> Optional[int]:
-    try:
-        return inspect.getsourcelines(obj)[1]
-    except (OSError, TypeError):
-        return None

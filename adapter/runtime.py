@@ -51,44 +51,56 @@ class Outcome:
         return asdict(self)
 
 
-def _import_target(adapter, module_name: str, required: bool):
-    try:
-        found = importlib.util.find_spec(module_name) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        if required:
-            raise Refused(adapter.NAME, module_name, "module is missing from this engine")
-        return None
-    try:
-        return importlib.import_module(module_name)
-    except Exception as exc:  # an engine module that no longer imports cannot be checked
-        raise Refused(adapter.NAME, module_name, f"import failed: {type(exc).__name__}: {exc}") from exc
+class InstalledEngine:
+    """The engine this interpreter imports: modules are imported for real."""
+
+    @property
+    def version(self) -> str:
+        return engine_version()
+
+    def module(self, name: str):
+        """The module, or None when this release does not have it."""
+        try:
+            if importlib.util.find_spec(name) is None:
+                return None
+        except ModuleNotFoundError:
+            return None
+        return importlib.import_module(name)
 
 
-def engine_check(adapter, *, patch: bool) -> tuple[str, str]:
+def engine_check(adapter, *, patch: bool, engine=None) -> tuple[str, str]:
     """Check (and with `patch`, install) the adapter in every module it targets.
 
-    Returns (state, reason). A module-level "not needed" never makes the adapter
-    applied on its own: something must be patched or already fixed upstream.
+    `engine` gives the modules: the installed one by default, or a source tree read
+    without importing it (adapter.source_engine.SourceEngine). Returns (state, reason).
+    A module-level "not needed" never makes the adapter applied on its own: something
+    must be patched or already fixed upstream.
     """
+    engine = engine or InstalledEngine()
     plans = []
     try:
         for module_name, required in adapter.TARGETS:
-            module = _import_target(adapter, module_name, required)
-            if module is not None:
-                plans.append((adapter.install if patch else adapter.check)(module))
+            try:
+                module = engine.module(module_name)
+            except Exception as exc:  # a module that no longer loads cannot be checked
+                raise Refused(adapter.NAME, module_name, f"import failed: {type(exc).__name__}: {exc}", engine.version) from exc
+            if module is None:
+                if required:
+                    raise Refused(adapter.NAME, module_name, "module is missing from this engine", engine.version)
+                continue
+            plans.append((adapter.install if patch else adapter.check)(module))
     except Refused as exc:
         return REFUSED, str(exc)
     done = [p for p in plans if p.state in (APPLIED, SUPERSEDED)]
     if not done:
-        return REFUSED, f"{adapter.NAME} found nothing to patch and no upstream fix on sglang {engine_version()}"
+        return REFUSED, f"{adapter.NAME} found nothing to patch and no upstream fix on sglang {engine.version}"
     state = APPLIED if any(p.state == APPLIED for p in done) else SUPERSEDED
     return state, "; ".join(p.detail for p in done)
 
 
-def decide(adapter, environ: Mapping[str, str], *, patch: bool = True) -> Outcome:
+def decide(adapter, environ: Mapping[str, str], *, patch: bool = True, engine=None) -> Outcome:
     """The adapter's outcome in this process: off, applied, superseded or refused."""
+    engine = engine or InstalledEngine()
     value = environ.get(adapter.FLAG)
     try:
         enabled = adapter.parse(environ)
@@ -98,8 +110,8 @@ def decide(adapter, environ: Mapping[str, str], *, patch: bool = True) -> Outcom
         if not enabled:
             state, reason = OFF, f"{adapter.FLAG} is off"
         else:
-            state, reason = engine_check(adapter, patch=patch)
-    return Outcome(adapter.NAME, adapter.FLAG, value, state, reason, engine_version())
+            state, reason = engine_check(adapter, patch=patch, engine=engine)
+    return Outcome(adapter.NAME, adapter.FLAG, value, state, reason, engine.version)
 
 
 def delivery_problems(environ: Mapping[str, str]) -> list[str]:

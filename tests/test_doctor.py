@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-from tests.engines import ROOT, engine_env, python
+from adapter import load, runtime
+from adapter.source_engine import SourceEngine
+from tests.engines import ENGINE_PATHS, ROOT, engine_env, python
 
 
 def doctor(release: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -35,6 +37,11 @@ def test_doctor_checks_the_engine_even_with_the_flag_off_on_0_5_18():
     assert (fence["value"], fence["state"], fence["engine_check"]) == (None, "off", "applied")
     # 0.5.18 has one escape route only: no sampling-accept graph, no block_accept_lens view.
     assert fence["engine_check_reason"] == "fenced TargetVerifyExecutor.accept_and_finalize"
+    # The same engine read from its sources (as the compatibility matrix does) agrees with every adapter's import check.
+    engine = SourceEngine(ENGINE_PATHS["0.5.18"][0])
+    assert engine.version == "0.5.18"
+    for row in report["adapters"]:
+        assert runtime.engine_check(load(row["adapter"]), patch=False, engine=engine) == (row["engine_check"], row["engine_check_reason"])
 
 
 def test_doctor_strict_fails_when_ranks_would_skip_the_plugin():

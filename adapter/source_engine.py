@@ -1,0 +1,248 @@
+"""An engine release read from its source files, without importing it.
+
+`SourceEngine(root)` hands out module objects built from the sources under
+`root/sglang/...` (an unpacked wheel, a site-packages folder, or a wheel file that is
+unpacked first): classes with their own methods, functions and methods with their
+real signatures (as `__signature__`), msgspec struct and dataclass fields in order,
+module-level names, names bound by `from ... import ...` resolved through the same
+tree, and `__file__` pointing at the real source so that call sites can be read.
+Nothing of the engine runs. The adapters' `check(module)` runs unchanged on these.
+
+What this cannot see: anything computed at import or run time (attributes set in
+`__init__`, decorators that replace a function, values of module constants).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+import re
+import types
+import zipfile
+from typing import Optional
+
+
+class SourceOnly:
+    """A module-level value known only by its name in the source."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __repr__(self) -> str:
+        return f"<source-only {self.where}>"
+
+
+def _value(node, where: str):
+    """A literal's value (ints, strings, tuples of them), else a SourceOnly marker."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return SourceOnly(where)
+
+
+class _Default:
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _signature(args: ast.arguments) -> inspect.Signature:
+    P = inspect.Parameter
+    params = []
+    positional = args.posonlyargs + args.args
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    for index, (arg, default) in enumerate(zip(positional, defaults)):
+        kind = P.POSITIONAL_ONLY if index < len(args.posonlyargs) else P.POSITIONAL_OR_KEYWORD
+        params.append(P(arg.arg, kind, default=P.empty if default is None else _Default(ast.unparse(default))))
+    if args.vararg:
+        params.append(P(args.vararg.arg, P.VAR_POSITIONAL))
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults):
+        params.append(P(arg.arg, P.KEYWORD_ONLY, default=P.empty if default is None else _Default(ast.unparse(default))))
+    if args.kwarg:
+        params.append(P(args.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def _function(node, module_name: str, qualname: str, text: str):
+    def source_only(*args, **kwargs):
+        raise RuntimeError(f"{module_name}.{qualname} was read from source and cannot run")
+
+    source_only.__name__, source_only.__qualname__, source_only.__module__ = node.name, qualname, module_name
+    source_only.__signature__ = _signature(node.args)
+    source_only.__source_text__ = ast.get_source_segment(text, node)
+    decorators = {ast.unparse(d) for d in node.decorator_list}
+    if "staticmethod" in decorators:
+        return staticmethod(source_only)
+    if "classmethod" in decorators:
+        return classmethod(source_only)
+    if "property" in decorators:
+        return property(source_only)
+    return source_only
+
+
+def _class(node: ast.ClassDef, module_name: str, text: str, prefix: str = ""):
+    qualname = prefix + node.name
+    namespace = {"__module__": module_name, "__qualname__": qualname}
+    fields = []
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            namespace[item.name] = _function(item, module_name, f"{qualname}.{item.name}", text)
+        elif isinstance(item, ast.ClassDef):
+            namespace[item.name] = _class(item, module_name, text, qualname + ".")
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            if not ast.unparse(item.annotation).startswith(("ClassVar", "typing.ClassVar")):
+                fields.append(item.target.id)
+            namespace[item.target.id] = SourceOnly(f"{qualname}.{item.target.id}")
+        elif isinstance(item, ast.Assign):
+            for target in item.targets:
+                if isinstance(target, ast.Name) and not target.id.startswith("__"):  # e.g. __slots__
+                    namespace[target.id] = _value(item.value, f"{qualname}.{target.id}")
+    bases = [ast.unparse(b) for b in node.bases]
+    if any(b.split(".")[-1] == "Struct" for b in bases):
+        namespace["__struct_fields__"] = tuple(fields)
+    if any(ast.unparse(d).split("(")[0].split(".")[-1] == "dataclass" for d in node.decorator_list):
+        namespace["__dataclass_fields__"] = dict.fromkeys(fields)
+    namespace["__source_bases__"] = tuple(bases)
+    return type(node.name, (), namespace)
+
+
+class _Imported:
+    """`from source import attr`, resolved when first read (import cycles stay harmless)."""
+
+    def __init__(self, engine: "SourceEngine", source: str, attr: str):
+        self.engine, self.source, self.attr = engine, source, attr
+
+    def resolve(self):
+        module = self.engine.module(self.source)
+        if module is not None:
+            try:
+                return getattr(module, self.attr)
+            except AttributeError:
+                pass
+        submodule = self.engine.module(f"{self.source}.{self.attr}")
+        return submodule if submodule is not None else SourceOnly(f"{self.source}.{self.attr}")
+
+
+class SourceModule(types.ModuleType):
+    """A module read from source; imported names resolve on first access."""
+
+    def __getattribute__(self, name):
+        value = super().__getattribute__(name)
+        if isinstance(value, _Imported):
+            value = value.resolve()
+            setattr(self, name, value)
+        return value
+
+    def __getattr__(self, name):
+        # Names a `from x import *` brings in, looked up in x when asked for.
+        for source in super().__getattribute__("__star_sources__"):
+            module = self.__engine__.module(source)
+            if module is not None and not name.startswith("_") and hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+
+
+class SourceEngine:
+    """The modules of one engine release, read from `root` (which holds `sglang/`)."""
+
+    def __init__(self, root, version: Optional[str] = None):
+        self.root = pathlib.Path(root)
+        if not (self.root / "sglang").is_dir():
+            raise FileNotFoundError(f"{self.root} holds no sglang/ source tree")
+        self.version = version or read_version(self.root)
+        self._modules: dict[str, types.ModuleType] = {}
+
+    def path(self, name: str) -> Optional[pathlib.Path]:
+        base = self.root.joinpath(*name.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        return None
+
+    def module(self, name: str) -> Optional[types.ModuleType]:
+        if name in self._modules:
+            return self._modules[name]
+        path = self.path(name)
+        if path is None:
+            return None
+        module = SourceModule(name)
+        module.__file__ = str(path)
+        module.__engine__ = self
+        module.__engine_version__ = self.version
+        module.__engine_root__ = str(self.root)
+        module.__star_sources__ = []
+        self._modules[name] = module
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        text = path.read_text(encoding="utf-8")
+        for node in ast.parse(text, filename=str(path)).body:
+            self._bind(module, node, package, text)
+        return module
+
+    def _bind(self, module, node, package: str, text: str) -> None:
+        name = module.__name__
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            setattr(module, node.name, _function(node, name, node.name, text))
+        elif isinstance(node, ast.ClassDef):
+            setattr(module, node.name, _class(node, name, text))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    setattr(module, target.id, _value(node.value, f"{name}.{target.id}"))
+        elif isinstance(node, ast.ImportFrom):
+            source = self._absolute(node, package)
+            for alias in node.names:
+                if alias.name == "*":
+                    module.__star_sources__.append(source)
+                elif source.split(".")[0] == "sglang":
+                    setattr(module, alias.asname or alias.name, _Imported(self, source, alias.name))
+                else:
+                    setattr(module, alias.asname or alias.name, SourceOnly(f"{source}.{alias.name}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                setattr(module, alias.asname or alias.name.split(".")[0], SourceOnly(f"module {alias.name}"))
+        elif isinstance(node, ast.If):  # e.g. TYPE_CHECKING or platform branches: take both sides
+            for child in node.body + node.orelse:
+                self._bind(module, child, package, text)
+        elif isinstance(node, ast.Try):
+            for child in node.body:
+                self._bind(module, child, package, text)
+
+    @staticmethod
+    def _absolute(node: ast.ImportFrom, package: str) -> str:
+        if not node.level:
+            return node.module or ""
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        return ".".join(base + ([node.module] if node.module else []))
+
+
+def read_version(root: pathlib.Path) -> str:
+    for dist in sorted(root.glob("sglang-*.dist-info")):
+        return dist.name[len("sglang-"): -len(".dist-info")]
+    for candidate in ("_version.py", "version.py"):
+        path = root / "sglang" / candidate
+        if path.is_file():
+            found = re.search(r"""__version__\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""", path.read_text(encoding="utf-8"))
+            if found:
+                return found.group(1)
+    return "unknown"
+
+
+def unpack_wheel(wheel, into) -> pathlib.Path:
+    """Unpack the Python sources and metadata of an sglang wheel (not its binaries)."""
+    wheel, into = pathlib.Path(wheel), pathlib.Path(into)
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            if member.endswith(".py") or ".dist-info/" in member:
+                archive.extract(member, into)
+    return into
+
+
+def open_engine(path, workdir) -> SourceEngine:
+    """A wheel file (unpacked into `workdir`) or a folder holding `sglang/`."""
+    path = pathlib.Path(path)
+    if path.is_file() and path.suffix == ".whl":
+        return SourceEngine(unpack_wheel(path, pathlib.Path(workdir) / path.stem))
+    return SourceEngine(path)
