@@ -1,0 +1,377 @@
+"""Rank code for tests/test_rank0_broadcast.py (run through tests.ranks.run_ranks on 0.5.18).
+
+Every site that runs on the CPU is driven through the real 0.5.18 engine function
+(through the consumer binding the adapter replaces), with a skew on rank 1: other
+logits, another random draw, an accept length off by one. Each case returns the
+decision values it ended with, so the test can compare ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+import torch.distributed as dist
+
+VOCAB, BS = 11, 4
+
+
+def make_group(rank: int, world_size: int):
+    """A real sglang GroupCoordinator over gloo (pynccl and friends off: CPU only)."""
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+    return GroupCoordinator(
+        group_ranks=[list(range(world_size))], local_rank=rank, torch_distributed_backend="gloo",
+        use_pynccl=False, use_pymscclpp=False, use_custom_allreduce=False,
+        use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False, use_xpu_communicator=False,
+        use_npu_communicator=False, group_name="rank0_broadcast_test",
+    )
+
+
+def _modules():
+    import importlib
+
+    from adapter import rank0_broadcast as r
+
+    return r, {name: importlib.import_module(name) for name, _ in r.TARGETS if name != r.SPEC_TP_SYNC}
+
+
+def _configure(value):
+    """Select `value` (None = flag unset) and bring every module in line with it."""
+    r, mods = _modules()
+    env = {} if value is None else {r.FLAG: value}
+    sel = r.parse(env)
+    for mod in mods.values():
+        if sel:
+            r.install(mod)
+        else:
+            r.uninstall(mod)
+    return r, mods
+
+
+def _head():
+    from sglang.srt.models.dspark import VanillaMarkov
+
+    torch.manual_seed(0)  # same weights on every rank
+    return VanillaMarkov(vocab_size=VOCAB, markov_rank=3)
+
+
+def _skewed_logits(rank, shape, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, generator=g)
+    if rank == 1:  # the skew: other logits on rank 1
+        logits = logits + torch.randn(*shape, generator=torch.Generator().manual_seed(99)) * 3
+    return logits
+
+
+def run_sites(rank, world_size, gamma=3):
+    """One pass over every CPU site; returns {site: values this rank holds}."""
+    r, mods = _modules()
+    draft, sampler_mod, verify = mods[r.DRAFT], mods[r.DRAFT_SAMPLER], mods[r.VERIFY]
+    dflash = mods[r.DFLASH_WORKER]
+    out = {}
+    head = _head()
+    hidden = torch.zeros(BS, gamma, 2)
+    anchor = torch.arange(BS)
+
+    # DSpark eager draft, greedy (argmax per step): different logits on rank 1.
+    res = draft.sample_draft_block(
+        base_logits=_skewed_logits(rank, (BS, gamma, VOCAB)), anchor_tokens=anchor, draft_hidden=hidden,
+        sampling_info=None, markov_head=head, device=torch.device("cpu"))
+    out["draft_greedy"] = res.draft_tokens.tolist()
+
+    # DSpark eager draft, multinomial: same logits, another random draw on rank 1.
+    torch.manual_seed(1000 + rank)
+    info = types.SimpleNamespace(is_all_greedy=False, temperatures=torch.ones(BS, 1),
+                                 top_ks=torch.full((BS,), 5))
+    res = draft.sample_draft_block(
+        base_logits=_skewed_logits(0, (BS, gamma, VOCAB)), anchor_tokens=anchor, draft_hidden=hidden,
+        sampling_info=info, markov_head=head, device=torch.device("cpu"))
+    out["draft_multinomial"] = res.draft_tokens.tolist()
+
+    # DSpark graph-folded draft: the real DsparkDraftSampler.__call__, run eagerly on the
+    # CPU (on the GPU it runs inside draft graph capture), greedy and folded sampling.
+    for folded in (False, True):
+        torch.manual_seed(2000 + rank)
+        model = types.SimpleNamespace(markov_head=head, lm_head=types.SimpleNamespace(
+            org_vocab_size=VOCAB, weight=torch.zeros(1)))
+        logits = _skewed_logits(rank if not folded else 0, (BS * gamma, VOCAB), seed=3)
+        model.compute_base_logits = lambda h, logits=logits: (logits, None)
+        s = sampler_mod.DsparkDraftSampler(model=model, gamma=gamma, max_bs=BS, device="cpu",
+                                           folded_sampling=folded)
+        if folded:
+            s.stage_sampling_params(bs=BS, sampling_info=types.SimpleNamespace(
+                temperatures=torch.ones(BS), top_ks=torch.full((BS,), 5)))
+        s(torch.zeros(BS * gamma, 2), torch.arange(BS * gamma) % VOCAB)
+        out["graph_sample" if folded else "graph_greedy"] = s.out.tolist()
+
+    # DSpark eager accept triple (AcceptGreedy on the CPU): rank 1's target logits differ,
+    # so its accept length is off.
+    vnd = gamma + 1
+    cand = torch.stack([torch.arange(vnd) % VOCAB for _ in range(BS)])
+    tl = torch.full((BS * vnd, VOCAB), -5.0)
+    for b in range(BS):
+        for j in range(vnd - 1):
+            tl[b * vnd + j, (j + 1) % VOCAB] = 5.0  # target agrees with every draft token
+    if rank == 1:
+        tl[0 * vnd + 0] = 0.0
+        tl[0 * vnd + 0, 7] = 9.0  # rank 1 rejects request 0's first draft token
+    block = types.SimpleNamespace(greedy_mask=torch.ones(BS, dtype=torch.bool))
+    triple = verify.accept_draft_tokens(candidates=cand, target_logits=tl, draft_block=block, sampling_info=None,
+                                        draft_input=None, gamma=gamma, verify_num_draft_tokens=vnd)
+    out["accept_greedy"] = [t.tolist() for t in triple]
+    out["accept_dtypes"] = [str(t.dtype) for t in triple]
+
+    # DSpark captured accept: accept_greedy_triton runs only inside verify-graph capture
+    # on the GPU; here the adapter's wrapper on that binding runs around the CPU twin
+    # (AcceptGreedy.torch, same math) with the same skew.
+    from sglang.kernels.ops.speculative.dspark.dspark_accept import AcceptGreedy
+
+    binding = verify.accept_greedy_triton
+    kwargs = dict(candidates=cand, target_logits=tl, verify_num_draft_tokens=vnd)
+    if isinstance(binding, r.patching.AdapterWrapper):
+        triple = binding._self_wrapper(AcceptGreedy.torch, None, (), kwargs)
+    else:
+        triple = AcceptGreedy.torch(**kwargs)
+    out["accept_graph"] = [t.tolist() for t in triple]
+
+    # DSpark prefill tokens: the wrapper on DSparkWorkerV2._forward_prefill around a
+    # prefill that samples other ids on rank 1 (int32 ids, so the real
+    # make_next_draft_input copies them with .to(int64): both tensors must be fixed).
+    worker_cls = mods[r.DSPARK_WORKER].DSparkWorkerV2
+
+    def prefill(batch, on_publish):
+        ids = torch.tensor([5, 6, 7, 8], dtype=torch.int32) + (rank == 1)
+        return types.SimpleNamespace(next_token_ids=ids, next_draft_input=draft.make_next_draft_input(
+            bonus_tokens=ids, new_seq_lens=torch.ones(BS, dtype=torch.int64)))
+
+    batch = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_idle=lambda: False))
+    fp = vars(worker_cls)["_forward_prefill"]
+    res = fp._self_wrapper(prefill, None, (batch, None), {}) if isinstance(fp, r.patching.AdapterWrapper) \
+        else prefill(batch, None)
+    out["dspark_target"] = [res.next_token_ids.tolist(), res.next_draft_input.bonus_tokens.tolist()]
+
+    # DFlash greedy accept: real compute_dflash_correct_drafts_and_bonus through the
+    # dflash_worker_v2 binding; rank 1's target argmax differs.
+    cand = torch.tensor([[1, 2, 3, 4]] * BS)
+    predict = torch.tensor([[2, 3, 4, 9]] * BS)
+    if rank == 1:
+        predict[0, 1] = 10
+    acc, bonus = dflash.compute_dflash_correct_drafts_and_bonus(candidates=cand, target_predict=predict)
+    out["dflash_greedy"] = [acc.tolist(), bonus.tolist()]
+
+    # DFlash greedy, Triton accept failing on rank 1 only and falling back to the eager
+    # one with the same target_predict: one broadcast on every rank, no hang.
+    predict = torch.tensor([[2, 3, 4, 9]] * BS)
+    if rank == 1:
+        predict[1, 0] = 10
+    triton = dflash._compute_dflash_accept_bonus_triton_unchecked
+    if rank == 0 and isinstance(triton, r.patching.AdapterWrapper):
+        triton._self_wrapper(lambda **kw: None, None, (), dict(candidates=cand, target_top1=predict))
+        acc = torch.tensor([3, 3, 3, 3])
+    else:
+        try:
+            triton(candidates=cand, target_top1=predict)  # real Triton kernel: fails on the CPU
+        except Exception:
+            pass
+        acc, _ = dflash.compute_dflash_correct_drafts_and_bonus(candidates=cand, target_predict=predict)
+    out["dflash_greedy_fallback"] = [predict.tolist(), acc.tolist()]
+
+    # DFlash sampled accept: the real function needs sgl_kernel (CUDA); the adapter's
+    # wrapper on that binding runs around a draw that differs on rank 1.
+    def sampled(**kw):
+        torch.manual_seed(3000 + rank)
+        return torch.randint(0, 4, (BS,), dtype=torch.int32), torch.randint(0, VOCAB, (BS,))
+
+    b = dflash.compute_dflash_sampling_correct_drafts_and_bonus
+    acc, bonus = b._self_wrapper(sampled, None, (), {}) if isinstance(b, r.patching.AdapterWrapper) else sampled()
+    out["dflash_accept_sample"] = [acc.tolist(), bonus.tolist()]
+
+    # DFlash prefill: the real DFlashWorkerV2._make_next_draft_input_prefill (uses no state).
+    ids = torch.tensor([4, 5, 6, 7]) + (rank == 1)
+    inp = dflash.DFlashWorkerV2._make_next_draft_input_prefill(
+        object.__new__(dflash.DFlashWorkerV2), bonus_tokens=ids, seq_lens=torch.ones(BS, dtype=torch.int64))
+    out["dflash_target"] = [ids.tolist(), inp.bonus_tokens.tolist()]
+    return out
+
+
+def sites_case(rank, world_size, configs):
+    """For each flag value in `configs` (None = unset): install accordingly, run every
+    site, and return the values plus the collectives issued per site."""
+    r, mods = _modules()
+    group = make_group(rank, world_size)
+    r.bind_group(r.DSPARK, group)
+    r.bind_group(r.DFLASH, group)
+    results = {}
+    for value in configs:
+        _configure(value)
+        r.COUNTS.clear()
+        values = run_sites(rank, world_size)
+        results[str(value)] = {"values": values, "counts": dict(r.COUNTS)}
+    _configure(None)
+    return results
+
+
+def count_case(rank, world_size, gammas):
+    """Collectives per decode step, by site, with every site on: one eager draft block,
+    the eager accept and the captured accept wrapper, for each gamma."""
+    r, mods = _modules()
+    group = make_group(rank, world_size)
+    r.bind_group(r.DSPARK, group)
+    r.bind_group(r.DFLASH, group)
+    _configure("all")
+    counts = {}
+    for gamma in gammas:
+        r.COUNTS.clear()
+        run_sites(rank, world_size, gamma=gamma)
+        counts[str(gamma)] = dict(r.COUNTS)
+    _configure(None)
+    return counts
+
+
+def group_rule_case(rank, world_size):
+    """The recorder on the worker __init__ picks attn-TP under DP attention, else TP,
+    before the real __init__ runs (which fails here, on purpose: no model)."""
+    import sglang.srt.runtime_context as rc
+
+    r, mods = _modules()
+    _configure("all")
+    tp, attn = object(), object()
+    picked = {}
+    for dp in (False, True):
+        rc_get = rc.get_parallel
+        rc.get_parallel = lambda dp=dp: types.SimpleNamespace(enable_dp_attention=dp, tp_group=tp,
+                                                              attn_tp_group=attn)
+        try:
+            for family, cls in (("dspark", mods[r.DSPARK_WORKER].DSparkWorkerV2),
+                                ("dflash", mods[r.DFLASH_WORKER].DFlashWorkerV2)):
+                try:
+                    cls(None, 0, None, 0, None)
+                except Exception:
+                    pass
+                picked[f"{family}-dp{int(dp)}"] = ("attn" if r._groups.get(family) is attn else
+                                                   "tp" if r._groups.get(family) is tp else "none")
+        finally:
+            rc.get_parallel = rc_get
+    _configure(None)
+    return picked
+
+
+def install_case(rank, world_size):
+    """Bindings and idempotence on 0.5.18 (one process is enough)."""
+    r, mods = _modules()
+    report = {}
+    _configure("all")
+    for name, mod in mods.items():
+        r.install(mod)  # a second time: wraps once
+    AW = r.patching.AdapterWrapper
+    def state(owner, attr):
+        cur = vars(owner)[attr]
+        inner = getattr(cur, "__wrapped__", None)
+        return {"wrapped": isinstance(cur, AW), "double": isinstance(inner, AW),
+                "wrapper": getattr(getattr(cur, "_self_wrapper", None), "__name__", None)}
+    d, s, v = mods[r.DRAFT], mods[r.DRAFT_SAMPLER], mods[r.VERIFY]
+    w, f = mods[r.DSPARK_WORKER], mods[r.DFLASH_WORKER]
+    report["bindings"] = {
+        "dspark_draft.sample_draft_block": state(d, "sample_draft_block"),
+        "dspark_draft_sampler.greedy_step_sampler": state(s, "greedy_step_sampler"),
+        "dspark_draft_sampler.SampleStepTokens": state(s, "SampleStepTokens"),
+        "dspark_verify.accept_draft_tokens": state(v, "accept_draft_tokens"),
+        "dspark_verify.accept_greedy_triton": state(v, "accept_greedy_triton"),
+        "DSparkWorkerV2._forward_prefill": state(w.DSparkWorkerV2, "_forward_prefill"),
+        "DSparkWorkerV2.__init__": state(w.DSparkWorkerV2, "__init__"),
+        "DFlashWorkerV2.__init__": state(f.DFlashWorkerV2, "__init__"),
+        "DFlashWorkerV2._make_next_draft_input_prefill": state(f.DFlashWorkerV2, "_make_next_draft_input_prefill"),
+        "dflash_worker_v2.compute_dflash_sampling_correct_drafts_and_bonus":
+            state(f, "compute_dflash_sampling_correct_drafts_and_bonus"),
+        "dflash_worker_v2.compute_dflash_correct_drafts_and_bonus": state(f, "compute_dflash_correct_drafts_and_bonus"),
+        "dflash_worker_v2._compute_dflash_accept_bonus_triton_unchecked":
+            state(f, "_compute_dflash_accept_bonus_triton_unchecked"),
+    }
+    # Shared helpers stay untouched (the rank-0-only observability caller must not broadcast).
+    import sglang.srt.speculative.dflash_utils as du
+    from sglang.srt.speculative.dspark_components import dspark_observability as obs
+    report["shared_untouched"] = [
+        not isinstance(du.compute_dflash_correct_drafts_and_bonus, AW),
+        not isinstance(obs.compute_dflash_correct_drafts_and_bonus, AW),
+    ]
+    report["plans"] = {n: [r.check(m).state, r.check(m).detail] for n, m in mods.items()}
+    _configure("dspark-target")
+    report["only_target"] = {n: r.check(m).state for n, m in mods.items()}
+    report["after_narrowing"] = {
+        "sample_draft_block": isinstance(vars(d)["sample_draft_block"], AW),
+        "_forward_prefill": isinstance(vars(w.DSparkWorkerV2)["_forward_prefill"], AW),
+    }
+    _configure(None)
+    report["after_uninstall"] = any(
+        isinstance(vars(o)[a], AW) for o, a in (
+            (d, "sample_draft_block"), (s, "greedy_step_sampler"), (s, "SampleStepTokens"),
+            (v, "accept_draft_tokens"), (v, "accept_greedy_triton"), (w.DSparkWorkerV2, "_forward_prefill"),
+            (w.DSparkWorkerV2, "__init__"), (f.DFlashWorkerV2, "__init__"), (f, "compute_dflash_correct_drafts_and_bonus")))
+    # runtime.decide on the real 0.5.18 engine.
+    from adapter import runtime
+
+    report["decide"] = runtime.decide(r, {r.FLAG: "all"}).state
+    report["decide_off"] = runtime.decide(r, {r.FLAG: "off"}).state
+    report["decide_unset"] = runtime.decide(r, {}).state
+    _configure(None)
+    return report
+
+
+def doctored_case(rank, world_size, cases):
+    """Load a doctored copy of a real 0.5.18 module (one string replaced) under its real
+    name, without touching sys.modules, and return what check() says."""
+    import importlib.util
+    import tempfile
+
+    from adapter import contract
+    from adapter import rank0_broadcast as r
+
+    r.parse({r.FLAG: "all"})
+    out = []
+    for module_name, old, new in cases:
+        path = importlib.util.find_spec(module_name).origin
+        text = open(path, encoding="utf-8").read()
+        assert old in text, (module_name, old)
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
+            fh.write(text.replace(old, new, 1))
+        spec = importlib.util.spec_from_file_location(module_name, fh.name)
+        mod = importlib.util.module_from_spec(spec)
+        # The engine refuses a second registration of an invariant name; the copy
+        # registers into a scratch registry, the real one is left as it was.
+        from sglang.srt.utils import invariants
+
+        saved = dict(invariants._REGISTRY)
+        invariants._REGISTRY.clear()
+        try:
+            spec.loader.exec_module(mod)
+        finally:
+            invariants._REGISTRY.clear()
+            invariants._REGISTRY.update(saved)
+        try:
+            plan = r.check(mod)
+            out.append({"state": plan.state})
+        except contract.Refused as exc:
+            out.append({"refused": str(exc), "symbol": exc.symbol})
+        os.unlink(fh.name)
+    return out
+
+
+def main_case(rank, world_size, configs, gammas=(), doctored=(), extras=True):
+    """Everything one set of ranks checks, in one start-up (each 0.5.18 rank spends
+    ~10 s importing): per-config site values, collective counts, the group rule, the
+    bindings, and the doctored-copy refusals."""
+    import time
+
+    t0 = time.time()
+    out = {"sites": sites_case(rank, world_size, configs)}
+    if gammas:
+        out["counts"] = count_case(rank, world_size, gammas)
+    if extras:
+        out["group_rule"] = group_rule_case(rank, world_size)
+        out["install"] = install_case(rank, world_size)
+    if doctored:
+        out["doctored"] = doctored_case(rank, world_size, doctored)
+    out["seconds"] = time.time() - t0
+    return out
