@@ -14,13 +14,11 @@ writes through it. The eager path already returns fresh tensors and is untouched
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 from collections.abc import Mapping
 
 from . import accept_snapshot, patching
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, call_sites
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, call_sites, package_dir
 from .flags import parse_switch
 
 NAME = "folded_fence"
@@ -92,8 +90,8 @@ ESCAPE_PARAMS = {
 def _refuse_unpatched_readers(contract: Contract) -> None:
     """A module of the speculative package outside ESCAPES that takes epilogue views
     (other than as a write target) is an escape route in a module the fence never sees."""
-    root = importlib.util.find_spec("sglang.srt.speculative").submodule_search_locations[0]
-    for path in sorted(pathlib.Path(root).rglob("*.py")):
+    root = package_dir(contract.module, "sglang.srt.speculative")
+    for path in sorted(root.rglob("*.py")):
         name = "sglang.srt.speculative." + ".".join(path.relative_to(root).with_suffix("").parts)
         text = path.read_text(encoding="utf-8", errors="replace")
         if name in ESCAPES or not any(f".{reader}(" in text for reader in READERS):

@@ -1,0 +1,263 @@
+"""Cost of the folded-result fence per verify step on a GPU, side by side in one run.
+
+    python bench/fence_cost.py [--json OUT] [--bs 8 64 256] [--calls 3000] [--reps 7]
+
+Host time per call (microseconds; the median of --reps repetitions of --calls calls,
+the variants interleaved within each repetition, the GPU idle at the start of each)
+of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.23
+`dspark_verify` module (a real `DsparkVerifyEpilogue` on the GPU):
+
+  empty_launch     one empty kernel launch through a compiled extension (the yardstick)
+  sleep0_launch    torch.cuda._sleep(0): one near-empty kernel launched through torch
+  unfenced         the engine's folded call, unpatched (returns views of the buffers)
+  clones6          unfenced call + six per-field clones (what the upstream fix does)
+  fence            the pack's fence installed: one fresh block, one launch (accept_snapshot)
+  fence_clones     the pack's fence installed with its fallback (plain clones)
+  ring_replay      unfenced call + one CUDA-graph replay copying the six slices into a
+                   preallocated slot set + a struct of cached views: the floor of the
+                   "ring of slots" design, without the guard it would need
+  cat_bytes        unfenced call + torch.cat of cached byte views into one fresh block
+                   (one kernel) + typed views back made in Python
+
+Also the launches each variant makes per call (CUDA runtime launch/copy calls, and
+kernels on the device), from the PyTorch profiler. Figures move between runs on a
+shared machine: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from adapter import accept_snapshot, folded_fence  # noqa: E402
+
+FIELDS = folded_fence.FIELDS
+STRIDE = 4
+
+
+def build(max_bs: int):
+    from sglang.srt.speculative.dspark_components import dspark_verify as verify
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
+    epilogue = verify.DsparkVerifyEpilogue(
+        max_bs=max_bs, verify_num_draft_tokens=STRIDE, device=device, tp_sync=tp_sync
+    )
+    for name in FIELDS:
+        buf = getattr(epilogue, f"{name}_buf")
+        buf.copy_(torch.randint_like(buf, 0, 1 << 20))
+    # On the folded path accept_and_finalize reads only self.verify_epilogue.
+    executor = object.__new__(verify.TargetVerifyExecutor)
+    executor.verify_epilogue = epilogue
+    return verify, epilogue, executor, device
+
+
+def folded_kwargs(bs: int, device) -> dict:
+    ids = torch.zeros(bs, STRIDE, dtype=torch.int64, device=device)
+    return dict(
+        folded_accept=True, bs=bs, verify_ids_2d=ids, target_logits=None, draft_block=None, sampling_info=None,
+        draft_input=None, layout=None, prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
+        draft_tokens=ids[:, 1:],
+    )
+
+
+def variants(verify, epilogue, executor, device, bs: int) -> dict:
+    """name -> (setup, call): setup puts the module in the variant's state (untimed)."""
+    kw = folded_kwargs(bs, device)
+    ext = accept_snapshot.extension()
+    AcceptOuts = verify.AcceptOuts
+
+    def unpatched():
+        folded_fence.uninstall(verify)
+
+    def fenced(one_launch: bool):
+        def setup():
+            folded_fence.install(verify)
+            accept_snapshot.use_extension(one_launch)
+
+        return setup
+
+    def clones6():
+        outs = executor.accept_and_finalize(**kw)
+        return AcceptOuts(**{name: getattr(outs, name).clone() for name in FIELDS})
+
+    # The ring's floor: one graph, captured once, copies the six slices into one slot set.
+    views = epilogue.read_accept(bs)
+    slot = [torch.empty_like(getattr(views, name)) for name in FIELDS]
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for dst, name in zip(slot, FIELDS):
+            dst.copy_(getattr(views, name))
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for dst, name in zip(slot, FIELDS):
+            dst.copy_(getattr(views, name))
+
+    def ring_replay():
+        executor.accept_and_finalize(**kw)
+        graph.replay()
+        return AcceptOuts(*slot)
+
+    # One fresh block through torch.cat (one kernel) of byte views cached per bs,
+    # and the typed views made back in Python.
+    byte_srcs = [getattr(views, name).reshape(-1).view(torch.uint8) for name in FIELDS]
+    sizes = [t.numel() for t in byte_srcs]
+    meta = [(getattr(views, name).dtype, tuple(getattr(views, name).shape)) for name in FIELDS]
+
+    def cat_bytes():
+        executor.accept_and_finalize(**kw)
+        flat = torch.cat(byte_srcs)
+        parts = flat.split(sizes)
+        return AcceptOuts(*[p.view(dtype).view(shape) for p, (dtype, shape) in zip(parts, meta)])
+
+    table = {
+        "sleep0_launch": (unpatched, lambda: torch.cuda._sleep(0)),
+        "unfenced": (unpatched, lambda: executor.accept_and_finalize(**kw)),
+        "clones6": (unpatched, clones6),
+        "fence": (fenced(True), lambda: executor.accept_and_finalize(**kw)),
+        "fence_clones": (fenced(False), lambda: executor.accept_and_finalize(**kw)),
+        "ring_replay": (unpatched, ring_replay),
+        "cat_bytes": (unpatched, cat_bytes),
+    }
+    if ext is not None:
+        table = {"empty_launch": (unpatched, ext.empty_launch), **table}
+    else:
+        table.pop("fence")
+    return table
+
+
+def host_us(call, calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def launches(call) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = prof.events()
+    api = [e.name for e in events if any(k in e.name for k in ("LaunchKernel", "GraphLaunch", "cudaMemcpy", "cudaMemset"))]
+    kernels = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"launch_calls": len(api), "device_kernels": len(kernels)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=pathlib.Path, help="write the figures here as JSON")
+    parser.add_argument("--bs", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--no-profile", action="store_true", help="skip counting launches with the profiler")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fence_cost: needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    t0 = time.perf_counter()
+    ext_state = accept_snapshot.prepare()
+    build_s = time.perf_counter() - t0
+    verify, epilogue, executor, device = build(max(args.bs))
+    results = {}
+    for bs in args.bs:
+        table = variants(verify, epilogue, executor, device, bs)
+        samples = {name: [] for name in table}
+        for name, (setup, call) in table.items():  # warm-up
+            setup()
+            for _ in range(200):
+                call()
+        for _ in range(args.reps):
+            for name, (setup, call) in table.items():
+                setup()
+                samples[name].append(host_us(call, args.calls))
+        counts = {}
+        if not args.no_profile:
+            for name, (setup, call) in table.items():
+                setup()
+                counts[name] = launches(call)
+        folded_fence.uninstall(verify)
+        accept_snapshot.use_extension(True)
+        results[bs] = {
+            name: {
+                "median_us": statistics.median(values),
+                "min_us": min(values),
+                "max_us": max(values),
+                "samples_us": values,
+                **counts.get(name, {}),
+            }
+            for name, values in samples.items()
+        }
+
+    yard = "empty_launch" if "empty_launch" in results[args.bs[0]] else "sleep0_launch"
+    summary = {}
+    for bs, row in results.items():
+        base = row["unfenced"]["median_us"]
+        launch = row[yard]["median_us"]
+        summary[bs] = {
+            name: {
+                "over_unfenced_us": round(v["median_us"] - base, 2),
+                "over_in_launches": round((v["median_us"] - base) / launch, 2),
+            }
+            for name, v in row.items()
+            if name not in ("empty_launch", "sleep0_launch", "unfenced")
+        }
+
+    names = list(results[args.bs[0]])
+    print(f"\nfence cost: host us per call, median of {args.reps} x {args.calls} calls "
+          f"({torch.cuda.get_device_name()}, torch {torch.__version__}); "
+          f"'+' = over unfenced, 'L' = in units of {yard}")
+    header = f"{'variant':<14}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
+    print(header)
+    for name in names:
+        cells = []
+        for bs in args.bs:
+            v = results[bs][name]
+            extra = summary[bs].get(name)
+            cell = f"{v['median_us']:.1f}" + (f" (+{extra['over_unfenced_us']:.1f}, {extra['over_in_launches']:.2f}L)" if extra else "")
+            cells.append(f"{cell:>26}")
+        c = results[args.bs[0]][name]
+        launch_txt = f"{c['launch_calls']}/{c['device_kernels']}" if "launch_calls" in c else "-"
+        print(f"{name:<14}" + "".join(cells) + f"{launch_txt:>10}")
+    print("launches = CUDA runtime launch/copy calls / kernels on the device, per call")
+    print(f"accept_snapshot: {ext_state} (prepare took {build_s:.1f} s)")
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "what": "host time per folded accept_and_finalize call (us), sglang 0.5.23 dspark_verify",
+            "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "calls": args.calls, "reps": args.reps, "stride": STRIDE, "yardstick": yard,
+            "accept_snapshot": ext_state, "prepare_s": round(build_s, 1),
+            "results": {str(bs): row for bs, row in results.items()},
+            "over_unfenced": {str(bs): row for bs, row in summary.items()},
+        }, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

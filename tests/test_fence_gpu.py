@@ -1,0 +1,221 @@
+"""The folded-result fence on a GPU, with real CUDA streams (sglang 0.5.23 `dspark_verify`).
+
+The race of upstream #42465, replayed deterministically: step N's accept lands in the
+verify epilogue's persistent buffers on a forward stream and the folded
+`accept_and_finalize` hands it out; the readback is queued the way the scheduler does
+it (`copy_stream.wait_stream(forward_stream)`, then sglang's own `async_d2h`: a pinned
+host tensor, a `non_blocking` copy and `record_stream`) on a copy stream that a spin
+kernel keeps busy, standing in for a copy engine behind a long write-through; then the
+forward stream runs further verify steps, each rewriting the buffers and calling the
+(fenced or not) accept again, while the copy stream is still stalled. The test checks
+that the copy stream really was still stalled when the forward stream finished.
+
+Unfenced the host must read a later step (if it does not, the hazard did not
+reproduce and the test fails rather than pass). Fenced, it must read step N in all
+six fields, over many trials, at bs 1, 8, 64 and 256, for both ways the fence copies
+(one launch into a fresh block, and the plain clones it falls back to).
+
+Skipped without CUDA. Run on a GPU machine: `python -m pytest tests/test_fence_gpu.py -q`.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from adapter import accept_snapshot, folded_fence
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: the race is between real CUDA streams"
+)
+
+FIELDS = folded_fence.FIELDS
+MAX_BS, STRIDE = 256, 4
+BATCH_SIZES = (1, 8, 64, 256)
+FURTHER_STEPS = 8  # verify steps run on the forward stream while the readback is stalled
+# Spin cycles on the copy stream (~2 GHz: 30M cycles is about 15 ms); checked below.
+STALL_CYCLES = int(os.environ.get("DSV41_FENCE_GPU_STALL_CYCLES", "30000000"))
+TRIALS = {"unfenced": 4, "one_launch": 32, "clones": 8}
+DTYPES = {"cap_trim_lens": torch.int32, "commit_lens": torch.int32}
+
+
+class Step:
+    """One verify step's accept, on the device; values unique per (trial, step, field, row)."""
+
+    def __init__(self, trial: int, step: int, bs: int, device):
+        self.values = {}
+        for k, name in enumerate(FIELDS):
+            shape = (bs, STRIDE) if name == "out_tokens" else (bs,)
+            base = ((trial * 16 + step) * 8 + k) * 2048
+            values = torch.arange(base, base + bs * (STRIDE if name == "out_tokens" else 1), device=device)
+            self.values[name] = values.view(shape).to(DTYPES.get(name, torch.int64))
+
+    def write(self, epilogue) -> None:
+        """What a verify replay does to the buffers (on the current stream)."""
+        for name, value in self.values.items():
+            getattr(epilogue, f"{name}_buf")[: value.shape[0]].copy_(value)
+
+    def matches(self, host: dict) -> dict:
+        return {name: torch.equal(host[name], value.cpu()) for name, value in self.values.items()}
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from sglang.srt.speculative.dspark_components import dspark_verify as verify
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+    from sglang.srt.utils.common import async_d2h
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    # SpecTpSync only reads world_size and rank_in_group from its group at TP=1.
+    tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
+    epilogue = verify.DsparkVerifyEpilogue(
+        max_bs=MAX_BS, verify_num_draft_tokens=STRIDE, device=device, tp_sync=tp_sync
+    )
+    # A TargetVerifyExecutor built minimally (object.__new__): on the folded path
+    # accept_and_finalize reads only self.verify_epilogue (note_static_verify, read_accept).
+    executor = object.__new__(verify.TargetVerifyExecutor)
+    executor.verify_epilogue = epilogue
+    folded_fence.uninstall(verify)
+    yield types.SimpleNamespace(
+        module=verify, epilogue=epilogue, executor=executor, device=device, async_d2h=async_d2h,
+        forward=torch.cuda.Stream(device), copy=torch.cuda.Stream(device),
+    )
+    folded_fence.uninstall(verify)
+    accept_snapshot.use_extension(True)
+
+
+def folded_kwargs(bs: int, device) -> dict:
+    """The worker's keyword arguments; the folded path reads only folded_accept and bs."""
+    ids = torch.zeros(bs, STRIDE, dtype=torch.int64, device=device)
+    return dict(
+        folded_accept=True, bs=bs, verify_ids_2d=ids, target_logits=None, draft_block=None, sampling_info=None,
+        draft_input=None, layout=None, prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
+        draft_tokens=ids[:, 1:],
+    )
+
+
+def race(gpu, bs: int, trial: int):
+    """Step N handed out and its readback stalled; FURTHER_STEPS verify steps run meanwhile.
+    Returns the host copies, the steps, and whether the copy was still stalled at the end."""
+    steps = [Step(trial, j, bs, gpu.device) for j in range(1 + FURTHER_STEPS)]
+    kwargs = folded_kwargs(bs, gpu.device)
+    block_words = sum(v.numel() * v.element_size() // 4 + 4 for v in steps[0].values.values())
+    torch.cuda.synchronize()
+    with torch.cuda.stream(gpu.forward):
+        steps[0].write(gpu.epilogue)
+        outs = gpu.executor.accept_and_finalize(**kwargs)
+        # GenerationBatchResult: next_token_ids = out_tokens.reshape(-1), accept_lens = commit_lens, ...
+        result = {name: getattr(outs, name) for name in FIELDS}
+        result["out_tokens"] = result["out_tokens"].reshape(-1)
+    del outs
+    # Scheduler._copy_result_to_cpu: the copy stream waits for the forward stream, never the reverse.
+    gpu.copy.wait_stream(gpu.forward)
+    with torch.cuda.stream(gpu.copy):
+        torch.cuda._sleep(STALL_CYCLES)  # a copy engine busy with a long write-through
+        host = {name: gpu.async_d2h(t) for name, t in result.items()}
+        copy_done = torch.cuda.Event()
+        copy_done.record()
+    # copy_to_cpu replaces the result's device tensors with the host copies.
+    del result
+    with torch.cuda.stream(gpu.forward):
+        for step in steps[1:]:
+            step.write(gpu.epilogue)  # the next verify replay rewrites the buffers
+            later = gpu.executor.accept_and_finalize(**kwargs)
+            # Memory churn of a real step: blocks of the snapshot's size are asked for
+            # again; a block still being read back must not be among them.
+            junk = torch.full((block_words,), -1, dtype=torch.int32, device=gpu.device)
+            del later, junk
+        forward_done = torch.cuda.Event()
+        forward_done.record()
+    forward_done.synchronize()
+    stalled = not copy_done.query()
+    copy_done.synchronize()
+    host["out_tokens"] = host["out_tokens"].view(bs, STRIDE)
+    return host, steps, stalled
+
+
+def warm_up(gpu, bs: int) -> None:
+    """One untimed, unchecked round first: the first pinned-host and device allocations of
+    a size call into the CUDA runtime, which must not stand between the two streams."""
+    race(gpu, bs, 5_000)
+
+
+def _require_stall(stalled: bool, bs: int) -> None:
+    if not stalled:
+        pytest.fail(
+            f"bs={bs}: the copy stream finished before the forward stream's {FURTHER_STEPS} further steps; "
+            f"the interleaving was not forced (raise DSV41_FENCE_GPU_STALL_CYCLES, now {STALL_CYCLES})"
+        )
+
+
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+def test_unfenced_readback_reads_a_later_step(gpu, bs):
+    folded_fence.uninstall(gpu.module)
+    warm_up(gpu, bs)
+    for trial in range(TRIALS["unfenced"]):
+        host, steps, stalled = race(gpu, bs, trial)
+        _require_stall(stalled, bs)
+        step_n = steps[0].matches(host)
+        last = steps[-1].matches(host)
+        if any(step_n.values()) or not all(last.values()):
+            pytest.fail(
+                f"bs={bs} trial {trial}: the hazard did not reproduce: without the fence the host should read "
+                f"step N+{FURTHER_STEPS} in every field; reads step N: {step_n}, reads the last step: {last}"
+            )
+
+
+@pytest.mark.parametrize("mechanism", ["one_launch", "clones"])
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+def test_fenced_readback_reads_step_n(gpu, bs, mechanism):
+    if mechanism == "one_launch":
+        state = accept_snapshot.prepare()
+        if not state["in_use"]:
+            pytest.fail(f"the one-launch snapshot is not available on this machine: {state}")
+    accept_snapshot.use_extension(mechanism == "one_launch")
+    assert folded_fence.install(gpu.module).state == "applied"
+    try:
+        warm_up(gpu, bs)
+        for trial in range(TRIALS[mechanism]):
+            host, steps, stalled = race(gpu, bs, 1000 + trial)
+            _require_stall(stalled, bs)
+            got = steps[0].matches(host)
+            assert got == {name: True for name in FIELDS}, (
+                f"bs={bs} trial {trial} ({mechanism}): fenced readback did not read step N: {got}"
+            )
+    finally:
+        folded_fence.uninstall(gpu.module)
+        accept_snapshot.use_extension(True)
+
+
+def test_fenced_call_is_one_launch_and_detached(gpu):
+    """The fenced folded call launches one kernel, returns the engine's AcceptOuts type
+    with the buffers' dtypes and shapes, and aliases none of the buffers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    assert accept_snapshot.prepare()["in_use"], accept_snapshot.status()
+    folded_fence.install(gpu.module)
+    try:
+        kwargs = folded_kwargs(64, gpu.device)
+        for _ in range(3):
+            gpu.executor.accept_and_finalize(**kwargs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            outs = gpu.executor.accept_and_finalize(**kwargs)
+            torch.cuda.synchronize()
+        events = prof.events()
+        launches = [e.name for e in events if any(k in e.name for k in ("LaunchKernel", "GraphLaunch", "cudaMemcpy", "cudaMemset"))]
+        kernels = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(launches) == 1 and len(kernels) == 1, (launches, kernels)
+        views = gpu.epilogue.read_accept(64)
+        assert type(outs) is gpu.module.AcceptOuts
+        for name in FIELDS:
+            mine, theirs = getattr(outs, name), getattr(views, name)
+            assert (mine.dtype, mine.shape, mine.is_contiguous()) == (theirs.dtype, theirs.shape, True), name
+            assert torch.equal(mine, theirs), name
+            buffer = getattr(gpu.epilogue, f"{name}_buf")
+            assert mine.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr(), name
+    finally:
+        folded_fence.uninstall(gpu.module)
