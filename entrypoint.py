@@ -51,7 +51,7 @@ def doctor(argv: list[str]) -> int:
             if outcome.state in (runtime.APPLIED, runtime.SUPERSEDED):
                 check = (outcome.state, outcome.reason)
             else:
-                check = runtime.engine_check(adapter, patch=False, engine=engine)
+                check = runtime.engine_check(adapter, patch=False, engine=engine, as_if_on=True)
             rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1]})
     if engine is None:
         version, delivery, ranks = engine_version(), runtime.delivery_problems(os.environ), None

@@ -37,7 +37,7 @@ __all__ = ["detach", "clone_detach", "prepare", "status", "use_extension", "exte
 # multiple of 4 bytes, non-contiguous or cross-device inputs take plain clones (in C++).
 _CUDA_SOURCE = r"""
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -47,17 +47,19 @@ _CUDA_SOURCE = r"""
 namespace {
 constexpr int kMaxFields = 8;
 
+// Small kernel parameters: the launch copies them, so they are kept to 32-bit offsets
+// (an accept result is a few thousand words at most).
 struct Segments {
   const int32_t* src[kMaxFields];
-  int64_t start[kMaxFields];  // first word of the field in the block
-  int64_t words[kMaxFields];
-  int n;
-  int64_t total;              // words in the block, padding included
+  int32_t start[kMaxFields];  // first word of the field in the block
+  int32_t words[kMaxFields];
+  int32_t n;
+  int32_t total;              // words in the block, padding included
 };
 
 __global__ void copy_segments(Segments seg, int32_t* __restrict__ dst) {
-  const int64_t stride = (int64_t)blockDim.x * gridDim.x;
-  for (int64_t w = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; w < seg.total; w += stride) {
+  const int32_t stride = blockDim.x * gridDim.x;
+  for (int32_t w = blockIdx.x * blockDim.x + threadIdx.x; w < seg.total; w += stride) {
     #pragma unroll
     for (int i = 0; i < kMaxFields; ++i) {
       if (i < seg.n && w >= seg.start[i] && w < seg.start[i] + seg.words[i]) {
@@ -91,16 +93,21 @@ std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& srcs) {
       return clones(srcs);
     }
     seg.src[i] = static_cast<const int32_t*>(t.data_ptr());
-    seg.start[i] = words;
-    seg.words[i] = t.numel() * item / 4;
+    seg.start[i] = (int32_t)words;
+    seg.words[i] = (int32_t)(t.numel() * item / 4);
     words += (seg.words[i] + 3) / 4 * 4;  // next field 16-byte aligned
   }
+  if (words > INT32_MAX / 2) return clones(srcs);
   seg.n = n;
-  seg.total = words;
-  const c10::cuda::OptionalCUDAGuard guard(device);
-  // One block from the caching allocator: its lifetime (Python references, and
-  // record_stream by readers on other streams) is the allocator's business.
-  at::Tensor block = at::empty({words > 0 ? words : 1}, srcs[0].options().dtype(at::kInt));
+  seg.total = (int32_t)words;
+  // Switch devices only when the results are not on the current one (a device switch
+  // costs more than the rest of this call).
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (device.index() != c10::cuda::current_device()) guard.emplace(device);
+  // One block from the caching allocator, without a trip through the dispatcher: its
+  // lifetime (Python references, record_stream by readers on other streams) is the
+  // allocator's business.
+  at::Tensor block = at::detail::empty_cuda({words > 0 ? words : 1}, at::kInt, device, c10::nullopt);
   if (words > 0) {
     const int threads = 256;
     int64_t blocks = (words + threads - 1) / threads;

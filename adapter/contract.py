@@ -47,7 +47,23 @@ def sibling(module, name: str):
     """Another module of the same engine as `module`: read from the same source tree
     for modules read from source, else imported."""
     engine = getattr(module, "__engine__", None)
-    return engine.module(name) if engine is not None else importlib.import_module(name)
+    if engine is None:
+        return importlib.import_module(name)
+    found = engine.module(name)
+    if found is None:
+        raise ModuleNotFoundError(f"{name} is missing from the engine at {engine.root}")
+    return found
+
+
+def has_module(module, name: str) -> bool:
+    """Whether the engine that `module` comes from has module `name` (nothing imported)."""
+    engine = getattr(module, "__engine__", None)
+    if engine is not None:
+        return engine.path(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def from_source(module) -> bool:

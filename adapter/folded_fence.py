@@ -24,6 +24,8 @@ from .flags import parse_switch
 NAME = "folded_fence"
 FLAG = "DSV41_FOLDED_FENCE"
 SUMMARY = "detach DSpark folded verify results from the verify graph's persistent buffers"
+# The flag value doctor and the compatibility matrix check the engine with.
+CHECK_VALUE = "1"
 
 PACKAGE = "sglang.srt.speculative.dspark_components"
 VERIFY = f"{PACKAGE}.dspark_verify"

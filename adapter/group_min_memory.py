@@ -43,6 +43,8 @@ from .flags import parse_switch
 NAME = "group_min_memory"
 FLAG = "DSV41_GROUP_MIN_MEM"
 SUMMARY = "free-memory probes gating DSpark/DFlash draft graph capture and DSpark folded sampling return the group minimum"
+# The flag value doctor and the compatibility matrix check the engine with.
+CHECK_VALUE = "1"
 
 SPEC = "sglang.srt.speculative"
 SPEC_TP_SYNC = f"{SPEC}.spec_tp_sync"  # 0.5.19+: the upstream fix

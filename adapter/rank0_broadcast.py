@@ -35,7 +35,7 @@ from enum import IntEnum
 from typing import Optional
 
 from . import patching
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, from_source, has_module
 from .flags import FlagError
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ NAME = "rank0_broadcast"
 FLAG = "DSV41_SPEC_TP_SYNC"
 ENGINE_FLAG = "SGLANG_SPEC_TP_SYNC"
 SUMMARY = "broadcast every DSpark/DFlash speculative decision from TP rank 0 (upstream SpecTpSync grammar)"
+# The flag value doctor and the compatibility matrix check the engine with.
+CHECK_VALUE = "all"
 
 SPEC = "sglang.srt.speculative"
 PACKAGE = f"{SPEC}.dspark_components"
@@ -439,18 +441,15 @@ def _markov_calls(contract: Contract, source: str, functions: set):
         raise contract.refuse(next(iter(functions)), "no longer calls markov_head.sample_block")
 
 
-def _engine_module_present() -> bool:
-    try:
-        return importlib.util.find_spec(SPEC_TP_SYNC) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def _handover(contract: Contract, module, sites: frozenset) -> tuple[str, str]:
     """(value for SGLANG_SPEC_TP_SYNC, detail) for the engine's own SpecTpSync."""
     contract.attr("SpecTpSync")
     engine_parse = contract.params("parse_spec_tp_sync", {"spec": POSITIONAL})
-    engine_sites = {s.name: s for s in contract.attr("SpecTpSyncSite")}
+    site_enum = contract.attr("SpecTpSyncSite")
+    if from_source(module):  # read from source, the members are their literal numbers
+        engine_sites = {k: v for k, v in vars(site_enum).items() if k.isupper() and isinstance(v, int)}
+    else:
+        engine_sites = {s.name: s for s in site_enum}
     mapped = set()
     for site in sites:
         if site.name in engine_sites:
@@ -466,6 +465,8 @@ def _handover(contract: Contract, module, sites: frozenset) -> tuple[str, str]:
     environ = _state.get("environ", os.environ)
     theirs = environ.get(ENGINE_FLAG)
     if theirs is not None:
+        if from_source(module):
+            raise contract.refuse(ENGINE_FLAG, "is set; comparing it needs the engine's own parser: run doctor on the installed engine")
         try:
             their_sites = engine_parse(theirs)
         except ValueError as exc:
@@ -595,17 +596,13 @@ def check(module) -> Plan:
         plan = Plan("superseded", detail + (f"={value!r}" if value else " (already set, same sites)"))
         plan.handover = value
         return plan
-    if _engine_module_present():
+    if has_module(module, SPEC_TP_SYNC):
         return Plan("not needed", f"{SPEC_TP_SYNC}.SpecTpSync covers {module.__name__}")
     relevant = MODULE_SITES.get(module.__name__)
     if relevant is not None and not relevant & sites:  # nothing selected here: no contract to hold
         return Plan("not needed", f"no selected site in {module.__name__}")
     if module.__name__ == DRAFT and Site.DSPARK_DRAFT in sites:
-        try:
-            found = importlib.util.find_spec(DRAFT_SAMPLER) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
+        if not has_module(module, DRAFT_SAMPLER):
             raise contract.refuse(DRAFT_SAMPLER, "is missing: the graph-folded draft path is not covered "
                                                   "(drop dspark-draft from the flag, or fold no draft)")
     chosen = [(s, p) for s, p in _patches(module, contract) if s in sites]
@@ -640,7 +637,7 @@ def install(module) -> Plan:
             _state.setdefault("env_before", os.environ.get(ENGINE_FLAG))
             os.environ[ENGINE_FLAG] = value
         return plan
-    if plan.state == "not needed" and _engine_module_present():
+    if plan.state == "not needed" and has_module(module, SPEC_TP_SYNC):
         return plan
     wanted = {(id(p.owner), p.name) for p in plan.patches}
     for _, patch in _all_patches(module):

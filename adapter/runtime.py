@@ -68,8 +68,11 @@ class InstalledEngine:
         return importlib.import_module(name)
 
 
-def engine_check(adapter, *, patch: bool, engine=None) -> tuple[str, str]:
+def engine_check(adapter, *, patch: bool, engine=None, as_if_on: bool = False) -> tuple[str, str]:
     """Check (and with `patch`, install) the adapter in every module it targets.
+
+    `as_if_on` checks the adapter as if its flag held CHECK_VALUE (its broadest setting),
+    whatever the environment says: doctor's engine check and the compatibility matrix.
 
     `engine` gives the modules: the installed one by default, or a source tree read
     without importing it (adapter.source_engine.SourceEngine). Returns (state, reason).
@@ -77,6 +80,8 @@ def engine_check(adapter, *, patch: bool, engine=None) -> tuple[str, str]:
     must be patched or already fixed upstream.
     """
     engine = engine or InstalledEngine()
+    if as_if_on:
+        adapter.parse({adapter.FLAG: adapter.CHECK_VALUE})
     plans = []
     try:
         for module_name, required in adapter.TARGETS:
@@ -88,7 +93,12 @@ def engine_check(adapter, *, patch: bool, engine=None) -> tuple[str, str]:
                 if required:
                     raise Refused(adapter.NAME, module_name, "module is missing from this engine", engine.version)
                 continue
-            plans.append((adapter.install if patch else adapter.check)(module))
+            try:
+                plans.append((adapter.install if patch else adapter.check)(module))
+            except Refused:
+                raise
+            except Exception as exc:  # a check that cannot run is no pass: fail closed, say why
+                raise Refused(adapter.NAME, module_name, f"check failed: {type(exc).__name__}: {exc}", engine.version) from exc
     except Refused as exc:
         return REFUSED, str(exc)
     done = [p for p in plans if p.state in (APPLIED, SUPERSEDED)]

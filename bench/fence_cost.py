@@ -80,12 +80,21 @@ def variants(verify, epilogue, executor, device, bs: int) -> dict:
     ext = accept_snapshot.extension()
     AcceptOuts = verify.AcceptOuts
 
+    detach = folded_fence.detach_accept
+
     def unpatched():
         folded_fence.uninstall(verify)
+        folded_fence.detach_accept = detach
+
+    def wrapped_noop():
+        # The fence's wrapper with a detach that does nothing: the wrapper's own cost.
+        folded_fence.install(verify)
+        folded_fence.detach_accept = lambda outs: outs
 
     def fenced(one_launch: bool):
         def setup():
             folded_fence.install(verify)
+            folded_fence.detach_accept = detach
             accept_snapshot.use_extension(one_launch)
 
         return setup
@@ -125,8 +134,14 @@ def variants(verify, epilogue, executor, device, bs: int) -> dict:
         parts = flat.split(sizes)
         return AcceptOuts(*[p.view(dtype).view(shape) for p, (dtype, shape) in zip(parts, meta)])
 
+    def snapshot_call():
+        # The unfenced call plus the extension's call alone: no wrapper, no struct.
+        outs = executor.accept_and_finalize(**kw)
+        return ext.snapshot([getattr(outs, name) for name in FIELDS])
+
     table = {
         "sleep0_launch": (unpatched, lambda: torch.cuda._sleep(0)),
+        "wrapped_noop": (wrapped_noop, lambda: executor.accept_and_finalize(**kw)),
         "unfenced": (unpatched, lambda: executor.accept_and_finalize(**kw)),
         "clones6": (unpatched, clones6),
         "fence": (fenced(True), lambda: executor.accept_and_finalize(**kw)),
@@ -135,7 +150,7 @@ def variants(verify, epilogue, executor, device, bs: int) -> dict:
         "cat_bytes": (unpatched, cat_bytes),
     }
     if ext is not None:
-        table = {"empty_launch": (unpatched, ext.empty_launch), **table}
+        table = {"empty_launch": (unpatched, ext.empty_launch), **table, "snapshot_call": (unpatched, snapshot_call)}
     else:
         table.pop("fence")
     return table

@@ -19,7 +19,8 @@ echo "setup: $("$VENV/bin/python" -c 'import importlib.metadata as m; print("sgl
 # adapters that act on 0.5.16-0.5.18. It sits beside the venv in --target folders with its
 # own older pins; PYTHONPATH=$ENGINE_0518 selects it (tests/conftest.py does this).
 E18=.engines/sglang-0.5.18
-if [ ! -d "$E18/sglang" ]; then
+if [ ! -f "$E18/sglang-0.5.18.dist-info/RECORD" ]; then
+  rm -rf "$E18" .engines/deps-0.5.18
   "$VENV/bin/pip" install --quiet --no-deps --target "$E18" "sglang==0.5.18"
   "$VENV/bin/pip" install --quiet --no-deps --target .engines/deps-0.5.18 \
     "transformers==5.12.1" "tokenizers==0.22.2" "huggingface-hub==1.33.0" "xgrammar==0.2.9"

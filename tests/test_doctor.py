@@ -41,12 +41,15 @@ def test_doctor_checks_the_engine_even_with_the_flag_off_on_0_5_18():
     engine = SourceEngine(ENGINE_PATHS["0.5.18"][0])
     assert engine.version == "0.5.18"
     for row in report["adapters"]:
-        assert runtime.engine_check(load(row["adapter"]), patch=False, engine=engine) == (row["engine_check"], row["engine_check_reason"])
+        assert runtime.engine_check(load(row["adapter"]), patch=False, engine=engine, as_if_on=True) == (row["engine_check"], row["engine_check_reason"])
 
 
 def test_doctor_strict_fails_when_ranks_would_skip_the_plugin():
     done = doctor("0.5.23", "--strict", DSV41_FOLDED_FENCE="on", SGLANG_PLUGINS="some_other_plugin")
     assert done.returncode == 1
     table = done.stdout
-    assert "folded_fence  DSV41_FOLDED_FENCE  on     applied  applied" in table
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[2:] if line.strip() and "  " in line}
+    assert rows["adapter"] == ["adapter", "flag", "value", "outcome", "engine", "check"]
+    assert rows["folded_fence"] == ["folded_fence", "DSV41_FOLDED_FENCE", "on", "applied", "applied"]
+    assert rows["rank0_broadcast"] == ["rank0_broadcast", "DSV41_SPEC_TP_SYNC", "<unset>", "off", "superseded"]
     assert "SGLANG_PLUGINS='some_other_plugin' does not list the pack's plugin 'dsv41_adapters'" in table
