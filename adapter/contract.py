@@ -171,6 +171,42 @@ class Contract:
 
 
 @dataclass(frozen=True)
+class Found:
+    """A node found in a module's source, with the function that holds it."""
+
+    function: str  # qualified name of the enclosing function (Class.method), or "<module>"
+    line: int
+    node: ast.AST
+
+
+def find(tree: ast.AST, match: Callable[[ast.AST], bool]) -> list[Found]:
+    """Every node of `tree` for which `match` is true, in source order, each with its
+    enclosing function. Read from the source: nothing is imported or run."""
+    found: list[Found] = []
+
+    def visit(node: ast.AST, scope: tuple[str, ...]) -> None:
+        if match(node):
+            found.append(Found(".".join(scope) or "<module>", node.lineno, node))
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            scope = scope + (node.name,)
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope)
+
+    visit(tree, ())
+    return found
+
+
+def calls(tree: ast.AST, name: str, *, method: bool) -> list[Found]:
+    """Calls `name(...)`, or with `method`, `<anything>.name(...)`."""
+    def match(node) -> bool:
+        if not isinstance(node, ast.Call):
+            return False
+        func = node.func
+        return isinstance(func, ast.Attribute) and func.attr == name if method else isinstance(func, ast.Name) and func.id == name
+    return find(tree, match)
+
+
+@dataclass(frozen=True)
 class CallSite:
     """A call of one of the watched methods, found in a module's source."""
 
@@ -182,38 +218,15 @@ class CallSite:
 
 def call_sites(source: str, methods: Iterable[str]) -> list[CallSite]:
     """Every call `<anything>.<method>(...)` for the given method names, with the
-    function that makes it. Read from the source, so nothing is imported or run."""
-    methods = frozenset(methods)
-    found: list[CallSite] = []
-
-    class Visitor(ast.NodeVisitor):
-        def __init__(self):
-            self.scope: list[str] = []
-            self.out_args: set[int] = set()
-
-        def _scoped(self, node):
-            self.scope.append(node.name)
-            self.generic_visit(node)
-            self.scope.pop()
-
-        visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _scoped
-
-        def visit_Call(self, node: ast.Call):
-            for kw in node.keywords:
-                if kw.arg and (kw.arg == "out" or kw.arg.endswith("_out")):
-                    self.out_args.add(id(kw.value))
-            func = node.func
-            if isinstance(func, ast.Attribute) and func.attr in methods:
-                found.append(
-                    CallSite(
-                        function=".".join(self.scope) or "<module>",
-                        line=node.lineno,
-                        method=func.attr,
-                        write_target=id(node) in self.out_args,
-                    )
-                )
-            self.generic_visit(node)
-
-    Visitor().visit(ast.parse(source))
-    return found
-
+    function that makes it, and whether it is passed as a write target."""
+    tree = ast.parse(source)
+    out_args = {
+        id(kw.value)
+        for node in ast.walk(tree) if isinstance(node, ast.Call)
+        for kw in node.keywords if kw.arg and (kw.arg == "out" or kw.arg.endswith("_out"))
+    }
+    found = [f for method in frozenset(methods) for f in calls(tree, method, method=True)]
+    return [
+        CallSite(f.function, f.line, f.node.func.attr, id(f.node) in out_args)
+        for f in sorted(found, key=lambda f: (f.line, f.node.col_offset))
+    ]

@@ -156,10 +156,7 @@ def check(module) -> Plan:
 
 
 def install(module) -> Plan:
-    plan = check(module)
-    for patch in plan.patches:
-        patching.apply(patch, NAME)
-    return plan
+    return patching.install_plan(check(module), NAME)
 
 
 def uninstall(module) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from . import patching
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, from_source, sibling
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, calls, from_source, sibling
 from .flags import parse_switch
 
 NAME = "group_min_memory"
@@ -130,38 +130,9 @@ SITES = {
 }
 
 
-@dataclass(frozen=True)
-class Call:
-    function: str
-    line: int
-    node: ast.Call
-
-
-def calls_of(source: str, name: str, *, method: bool = False) -> list[Call]:
-    """Every call `name(...)` (or, with `method`, `x.name(...)`) with its enclosing
-    function. `contract.call_sites` finds method calls only; the probe helper is a
-    function imported by name. Read from the source: nothing is imported or run."""
-    found: list[Call] = []
-    scope: list[str] = []
-
-    def visit(node):
-        named = isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        if named:
-            scope.append(node.name)
-        if isinstance(node, ast.Call):
-            func = node.func
-            hit = (isinstance(func, ast.Attribute) and func.attr == name) if method else (
-                isinstance(func, ast.Name) and func.id == name
-            )
-            if hit:
-                found.append(Call(".".join(scope) or "<module>", node.lineno, node))
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-        if named:
-            scope.pop()
-
-    visit(ast.parse(source))
-    return found
+def calls_of(source: str, name: str, *, method: bool = False):
+    """Every call of the probe helper (or, with `method`, of `x.name(...)`) in the source."""
+    return calls(ast.parse(source), name, method=method)
 
 
 def _group_minimum(site: Site):
@@ -328,10 +299,7 @@ def check(module) -> Plan:
 
 
 def install(module) -> Plan:
-    plan = check(module)
-    for patch in plan.patches:
-        patching.apply(patch, NAME)
-    return plan
+    return patching.install_plan(check(module), NAME)
 
 
 def uninstall(module) -> None:

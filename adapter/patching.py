@@ -6,7 +6,7 @@ from typing import Optional
 
 import wrapt
 
-from .contract import Patch
+from .contract import Patch, Plan
 
 
 class AdapterWrapper(wrapt.FunctionWrapper):
@@ -42,3 +42,10 @@ def remove(owner, name: str, adapter: str) -> bool:
         return False
     setattr(owner, name, _current(owner, name).__wrapped__)
     return True
+
+
+def install_plan(plan: Plan, adapter: str) -> Plan:
+    """Apply every patch of a checked plan (each idempotently); the plan is returned."""
+    for patch in plan.patches:
+        apply(patch, adapter)
+    return plan

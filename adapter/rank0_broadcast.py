@@ -32,10 +32,9 @@ import os
 import pathlib
 from collections.abc import Mapping
 from enum import IntEnum
-from typing import Optional
 
 from . import patching
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, from_source, has_module
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, calls, find, from_source, has_module
 from .flags import FlagError
 
 logger = logging.getLogger(__name__)
@@ -377,24 +376,8 @@ def _recorder(family):
 def name_uses(source: str, names) -> list[tuple[str, int, str]]:
     """(enclosing function, line, name) for every load of a bare name in `names`."""
     names = frozenset(names)
-    found = []
-
-    class Visitor(ast.NodeVisitor):
-        scope: list = []
-
-        def _scoped(self, node):
-            self.scope.append(node.name)
-            self.generic_visit(node)
-            self.scope.pop()
-
-        visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _scoped
-
-        def visit_Name(self, node):
-            if node.id in names and isinstance(node.ctx, ast.Load):
-                found.append((".".join(self.scope) or "<module>", node.lineno, node.id))
-
-    Visitor().visit(ast.parse(source))
-    return found
+    found = find(ast.parse(source), lambda n: isinstance(n, ast.Name) and n.id in names and isinstance(n.ctx, ast.Load))
+    return [(f.function, f.line, f.node.id) for f in found]
 
 
 def _only_used_in(contract: Contract, source: str, name: str, functions: set):
@@ -413,25 +396,8 @@ def _only_used_in(contract: Contract, source: str, name: str, functions: set):
 def _markov_calls(contract: Contract, source: str, functions: set):
     if not source:
         return
-    tree = ast.parse(source)
-    hits = []
-
-    class Visitor(ast.NodeVisitor):
-        scope: list = []
-
-        def _scoped(self, node):
-            self.scope.append(node.name)
-            self.generic_visit(node)
-            self.scope.pop()
-
-        visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _scoped
-
-        def visit_Call(self, node):
-            if isinstance(node.func, ast.Attribute) and node.func.attr == "sample_block":
-                hits.append((".".join(self.scope), node.lineno, {k.arg for k in node.keywords}))
-            self.generic_visit(node)
-
-    Visitor().visit(tree)
+    hits = [(f.function, f.line, {k.arg for k in f.node.keywords})
+            for f in calls(ast.parse(source), "sample_block", method=True)]
     for function, line, keywords in hits:
         if not _within(function, functions):
             raise contract.refuse(function, f"line {line} samples a draft block on a path this adapter does not cover")

@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from adapter import accept_snapshot, folded_fence  # noqa: E402
+from tests.test_fence_gpu import STRIDE, folded_kwargs  # noqa: E402  (the worker's arguments, as the GPU test passes them)
 
 FIELDS = folded_fence.FIELDS
-STRIDE = 4
 
 
 def build(max_bs: int):
@@ -63,15 +63,6 @@ def build(max_bs: int):
     executor = object.__new__(verify.TargetVerifyExecutor)
     executor.verify_epilogue = epilogue
     return verify, epilogue, executor, device
-
-
-def folded_kwargs(bs: int, device) -> dict:
-    ids = torch.zeros(bs, STRIDE, dtype=torch.int64, device=device)
-    return dict(
-        folded_accept=True, bs=bs, verify_ids_2d=ids, target_logits=None, draft_block=None, sampling_info=None,
-        draft_input=None, layout=None, prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
-        draft_tokens=ids[:, 1:],
-    )
 
 
 def variants(verify, epilogue, executor, device, bs: int) -> dict:

@@ -8,11 +8,9 @@ decision values it ended with, so the test can compare ranks.
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
-import torch.distributed as dist
 
 VOCAB, BS = 11, 4
 
@@ -322,39 +320,19 @@ def install_case(rank, world_size):
 def doctored_case(rank, world_size, cases):
     """Load a doctored copy of a real 0.5.18 module (one string replaced) under its real
     name, without touching sys.modules, and return what check() says."""
-    import importlib.util
-    import tempfile
-
     from adapter import contract
     from adapter import rank0_broadcast as r
+    from tests.doctored import doctored_module
 
     r.parse({r.FLAG: "all"})
     out = []
     for module_name, old, new in cases:
-        path = importlib.util.find_spec(module_name).origin
-        text = open(path, encoding="utf-8").read()
-        assert old in text, (module_name, old)
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
-            fh.write(text.replace(old, new, 1))
-        spec = importlib.util.spec_from_file_location(module_name, fh.name)
-        mod = importlib.util.module_from_spec(spec)
-        # The engine refuses a second registration of an invariant name; the copy
-        # registers into a scratch registry, the real one is left as it was.
-        from sglang.srt.utils import invariants
-
-        saved = dict(invariants._REGISTRY)
-        invariants._REGISTRY.clear()
-        try:
-            spec.loader.exec_module(mod)
-        finally:
-            invariants._REGISTRY.clear()
-            invariants._REGISTRY.update(saved)
+        mod = doctored_module(module_name, (old, new))
         try:
             plan = r.check(mod)
             out.append({"state": plan.state})
         except contract.Refused as exc:
             out.append({"refused": str(exc), "symbol": exc.symbol})
-        os.unlink(fh.name)
     return out
 
 

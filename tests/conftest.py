@@ -2,41 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import types
 
 import pytest
 import torch
 
 from adapter import folded_fence
+from tests.doctored import doctored_module  # noqa: F401  (used by the test modules)
 
 VERIFY = folded_fence.VERIFY
-
-
-def doctored_module(real_name: str, *replacements: tuple[str, str], tmp_path):
-    """A copy of a real engine module with each (old, new) replacement applied once,
-    loaded under the real name but not registered in sys.modules."""
-    origin = importlib.util.find_spec(real_name).origin
-    source = open(origin, encoding="utf-8").read()
-    for old, new in replacements:
-        assert source.count(old) >= 1, f"doctoring {real_name}: {old!r} not found in the real source"
-        source = source.replace(old, new, 1)
-    path = tmp_path / (real_name.rpartition(".")[2] + "_doctored.py")
-    path.write_text(source, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location(real_name, path)
-    module = importlib.util.module_from_spec(spec)
-    # The engine registers named invariants at import and refuses duplicates; the copy's
-    # registrations are kept apart so the real module's stay as they were.
-    from sglang.srt.utils import invariants
-
-    saved = dict(invariants._REGISTRY)
-    invariants._REGISTRY.clear()
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        invariants._REGISTRY.clear()
-        invariants._REGISTRY.update(saved)
-    return module
 
 
 class Step:

@@ -10,10 +10,10 @@ import importlib
 import importlib.util
 import inspect
 import json
-import pathlib
 import sys
-import tempfile
 import types
+
+from tests.doctored import doctored_module
 
 GIB = 1 << 30
 
@@ -219,18 +219,9 @@ SAMPLER_HELPER = "\n\ndef _free_gb(device):\n    return get_available_gpu_memory
 
 
 def load_doctored(module_name: str, old: str, new: str, tail: str = ""):
-    """The real module's source with one replacement, loaded under its real name but
-    NOT inserted into sys.modules."""
-    real = importlib.import_module(module_name)
-    source = pathlib.Path(inspect.getsourcefile(real)).read_text()
-    assert source.count(old) == 1, f"{module_name}: the text to doctor is not there exactly once"
-    path = pathlib.Path(tempfile.mkdtemp()) / pathlib.Path(inspect.getsourcefile(real)).name
-    path.write_text(source.replace(old, new) + tail)
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert sys.modules[module_name] is real
-    return module
+    doctored = doctored_module(module_name, (old, new), tail=tail)
+    assert sys.modules[module_name] is not doctored
+    return doctored
 
 
 def inproc_checks() -> dict:

@@ -10,7 +10,8 @@ import torch
 
 from adapter import folded_fence, patching
 from adapter.contract import Refused
-from tests.conftest import Step, accept_kwargs, doctored_module
+from tests.conftest import Step, accept_kwargs
+from tests.doctored import doctored_module
 
 FIELDS = folded_fence.FIELDS
 BATCH_SIZES = (1, 5, 16)
@@ -193,7 +194,7 @@ DRIFTS = {
 @pytest.mark.parametrize("drift", sorted(DRIFTS))
 def test_drifted_copies_are_refused_naming_the_symbol(drift, tmp_path):
     replacements, expected = DRIFTS[drift]
-    module = doctored_module(folded_fence.VERIFY, *replacements, tmp_path=tmp_path)
+    module = doctored_module(folded_fence.VERIFY, *replacements, directory=tmp_path)
     with pytest.raises(Refused) as refused:
         folded_fence.install(module)
     message = str(refused.value)
@@ -216,7 +217,7 @@ def test_copy_that_already_detaches_is_superseded(tmp_path):
         folded_fence.VERIFY,
         ("            return self.verify_epilogue.read_accept(bs)\n", "            return self.verify_epilogue.snapshot_accept(bs)\n"),
         ("    def read_accept(self, bs: int) -> AcceptOuts:\n", snapshot),
-        tmp_path=tmp_path,
+        directory=tmp_path,
     )
     plan = folded_fence.install(module)
     assert plan.state == "superseded"

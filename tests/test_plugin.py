@@ -19,19 +19,17 @@ from adapter import folded_fence, runtime
 
 
 def rank_process(doctor_engine: bool, tmp_dir: str, results) -> None:
-    import pathlib
-
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
     if doctor_engine:  # a drifted engine: dspark_verify with its AcceptOuts changed
         import sys
 
-        from tests.conftest import doctored_module
+        from tests.doctored import doctored_module
 
         sys.modules[folded_fence.VERIFY] = doctored_module(
             folded_fence.VERIFY, ("    out_tokens: torch.Tensor\n", "    out_tokens: torch.Tensor\n    extra: torch.Tensor\n"),
-            tmp_path=pathlib.Path(tmp_dir),
+            directory=tmp_dir,
         )
     from sglang.srt.managers.scheduler import Scheduler
 
@@ -70,7 +68,7 @@ def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_pa
     assert code == 0
     assert "constructor" in found and found["fence"] == folded_fence.NAME
     err = capfd.readouterr().err
-    assert f"folded_fence DSV41_FOLDED_FENCE='1': APPLIED - fenced TargetVerifyExecutor.accept_and_finalize" in err
+    assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED - fenced TargetVerifyExecutor.accept_and_finalize" in err
 
 
 def test_spawned_rank_is_untouched_when_the_flag_is_unset(monkeypatch, tmp_path, capfd):

@@ -1,0 +1,35 @@
+"""Doctored copies of real engine modules, for drift tests.
+
+A copy is the real module's source with a few exact replacements, loaded under the real
+module name but not registered in sys.modules, so the real module stays as it was.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import tempfile
+
+
+def doctored_module(real_name: str, *replacements: tuple[str, str], tail: str = "", directory=None):
+    origin = importlib.util.find_spec(real_name).origin
+    source = pathlib.Path(origin).read_text(encoding="utf-8")
+    for old, new in replacements:
+        assert source.count(old) == 1, f"doctoring {real_name}: {old!r} is not in the real source exactly once"
+        source = source.replace(old, new)
+    path = pathlib.Path(directory or tempfile.mkdtemp()) / (real_name.rpartition(".")[2] + "_doctored.py")
+    path.write_text(source + tail, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(real_name, path)
+    module = importlib.util.module_from_spec(spec)
+    # The engine registers named invariants at import and refuses duplicates; the copy's
+    # registrations are kept apart so the real module's stay as they were.
+    from sglang.srt.utils import invariants
+
+    saved = dict(invariants._REGISTRY)
+    invariants._REGISTRY.clear()
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        invariants._REGISTRY.clear()
+        invariants._REGISTRY.update(saved)
+    return module
