@@ -45,7 +45,7 @@ def main() -> None:
         "doctor (all flags off)": [sys.executable, "entrypoint.py", "doctor"],
         "doctor --strict, every flag on": [sys.executable, "entrypoint.py", "doctor", "--strict"],
     }
-    flags_on = dict(env, **{load(a).FLAG: "1" for a in ADAPTERS})
+    flags_on = dict(env, **{load(a).FLAG: load(a).CHECK_VALUE for a in ADAPTERS})
     times = {name: [] for name in variants}
     for _ in range(opts.repeat):
         for name, argv in variants.items():
