@@ -58,16 +58,19 @@ def doctor(argv: list[str]) -> int:
     else:
         version, delivery = engine.version, []
         ranks = f"not checked: the engine at {opts.engine} is read from its sources, not installed here"
+    unknown = runtime.unknown_flags(os.environ)
     failed = any(r["state"] == runtime.REFUSED or r["engine_check"] == runtime.REFUSED for r in rows)
 
     if opts.json:
-        print(json.dumps({"engine": version, "source": opts.engine, "adapters": rows, "delivery_problems": delivery}, indent=2))
+        print(json.dumps({"engine": version, "source": opts.engine, "adapters": rows, "delivery_problems": delivery,
+                          "unknown_flags": unknown}, indent=2))
     else:
-        print(render_table(version, rows, delivery, ranks))
-    return 1 if opts.strict and (failed or delivery) else 0
+        print(render_table(version, rows, delivery, ranks, unknown))
+    return 1 if opts.strict and (failed or delivery or unknown) else 0
 
 
-def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str | None = None) -> str:
+def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str | None = None,
+                 unknown: list[str] = ()) -> str:
     header = ("adapter", "flag", "value", "outcome", "engine check")
     table = [header] + [
         (r["adapter"], r["flag"], "<unset>" if r["value"] is None else r["value"], r["state"], r["engine_check"])
@@ -86,13 +89,16 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
     if ranks is None:
         ranks = "; ".join(delivery) if delivery else "every TP rank loads the pack through the engine's plugin loader"
     lines.append("ranks: " + ranks)
+    for problem in unknown:
+        lines.append("flags: " + problem)
     return "\n".join(lines)
 
 
 def launch(argv: list[str]) -> int:
     outcomes = runtime.apply_all(os.environ)
     enabled = [o for o in outcomes if o.state != runtime.OFF]
-    error = runtime.refusal(outcomes, runtime.delivery_problems(os.environ) if enabled else [])
+    problems = runtime.unknown_flags(os.environ) + (runtime.delivery_problems(os.environ) if enabled else [])
+    error = runtime.refusal(outcomes, problems)
     if error is not None:
         print(f"{runtime.PREFIX} {error}", file=sys.stderr, flush=True)
         return 2

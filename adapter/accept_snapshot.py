@@ -187,7 +187,7 @@ def _build() -> None:
             extra_cuda_cflags=["-O2"],
             extra_cflags=["-O2"],
             with_pytorch_error_handling=False,
-            verbose=bool(os.environ.get("DSV41_ACCEPT_SNAPSHOT_VERBOSE")),
+            verbose=bool(os.environ.get("SGLANG_ADAPTERS_BUILD_VERBOSE")),
         )
     except BaseException as exc:  # noqa: BLE001 - any failure leaves the clones in place
         _state.update(state="unavailable", detail=f"{type(exc).__name__}: {str(exc).strip()[-400:]}")

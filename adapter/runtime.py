@@ -139,6 +139,16 @@ def delivery_problems(environ: Mapping[str, str]) -> list[str]:
     return []
 
 
+def unknown_flags(environ: Mapping[str, str]) -> list[str]:
+    """DSV41_* variables no adapter reads: a typo (DSV41_FOLDED_FENSE=1) would otherwise
+    leave the intended adapter off without a word."""
+    known = {load(name).FLAG for name in ADAPTERS}
+    return [
+        f"{key} is not a flag of this pack (its flags: {', '.join(sorted(known))})"
+        for key in sorted(environ) if key.startswith("DSV41_") and key not in known
+    ]
+
+
 _applied: Optional[list[Outcome]] = None
 
 

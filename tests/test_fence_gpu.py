@@ -37,7 +37,7 @@ MAX_BS, STRIDE = 256, 4
 BATCH_SIZES = (1, 8, 64, 256)
 FURTHER_STEPS = 8  # verify steps run on the forward stream while the readback is stalled
 # Spin cycles on the copy stream (~2 GHz: 30M cycles is about 15 ms); checked below.
-STALL_CYCLES = int(os.environ.get("DSV41_FENCE_GPU_STALL_CYCLES", "30000000"))
+STALL_CYCLES = int(os.environ.get("FENCE_GPU_STALL_CYCLES", "30000000"))
 TRIALS = {"unfenced": 4, "one_launch": 32, "clones": 8}
 DTYPES = {"cap_trim_lens": torch.int32, "commit_lens": torch.int32}
 
@@ -147,7 +147,7 @@ def _require_stall(stalled: bool, bs: int) -> None:
     if not stalled:
         pytest.fail(
             f"bs={bs}: the copy stream finished before the forward stream's {FURTHER_STEPS} further steps; "
-            f"the interleaving was not forced (raise DSV41_FENCE_GPU_STALL_CYCLES, now {STALL_CYCLES})"
+            f"the interleaving was not forced (raise FENCE_GPU_STALL_CYCLES, now {STALL_CYCLES})"
         )
 
 
