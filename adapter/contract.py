@@ -29,18 +29,30 @@ def engine_version() -> str:
         return "not installed"
 
 
+# A module read from a source tree (adapter.source_engine) carries its SourceEngine as
+# `__engine__`; the helpers below answer for that engine, else for the installed one.
+
+
 def version_of(module) -> str:
-    """The release a module belongs to: set on modules read from a source tree
-    (adapter.source_engine), else the installed engine's."""
-    return getattr(module, "__engine_version__", None) or engine_version()
+    """The release a module belongs to."""
+    engine = getattr(module, "__engine__", None)
+    return engine.version if engine is not None else engine_version()
 
 
 def package_dir(module, package: str) -> pathlib.Path:
-    """Folder of `package` in the engine that `module` comes from (installed or a source tree)."""
-    root = getattr(module, "__engine_root__", None)
-    if root is not None:
-        return pathlib.Path(root, *package.split("."))
+    """Folder of `package` in the engine that `module` comes from."""
+    engine = getattr(module, "__engine__", None)
+    if engine is not None:
+        return pathlib.Path(engine.root, *package.split("."))
     return pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
+
+
+def installed(name: str) -> bool:
+    """Whether the installed engine has module `name` (its parent packages get imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def sibling(module, name: str):
@@ -58,12 +70,7 @@ def sibling(module, name: str):
 def has_module(module, name: str) -> bool:
     """Whether the engine that `module` comes from has module `name` (nothing imported)."""
     engine = getattr(module, "__engine__", None)
-    if engine is not None:
-        return engine.path(name) is not None
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
+    return engine.path(name) is not None if engine is not None else installed(name)
 
 
 def from_source(module) -> bool:
@@ -93,7 +100,7 @@ class Patch:
 class Plan:
     """What installing an adapter into one module would do, decided by `check`."""
 
-    state: str  # "applied" or "superseded"
+    state: str  # "applied", "superseded" or "not needed"
     detail: str
     patches: list[Patch] = field(default_factory=list)
 
@@ -108,12 +115,12 @@ class Contract:
     def refuse(self, symbol: str, problem: str) -> Refused:
         return Refused(self.adapter, f"{self.module.__name__}:{symbol}", problem, version_of(self.module))
 
-    def attr(self, dotted: str, *, own: bool = True):
-        """Resolve `Class.attr` in the module; `own` insists it is defined on the class
-        itself, since a wrapper set on a subclass would shadow, not replace, it."""
+    def attr(self, dotted: str):
+        """Resolve `Class.attr` in the module. A class attribute must be defined on the
+        class itself, since a wrapper set on a subclass would shadow, not replace, it."""
         owner, obj = None, self.module
         for part in dotted.split("."):
-            source = vars(obj) if (own and owner is not None and inspect.isclass(obj)) else None
+            source = vars(obj) if (owner is not None and inspect.isclass(obj)) else None
             if source is not None:
                 if part not in source:
                     raise self.refuse(dotted, f"'{part}' is not defined on {obj.__name__}")

@@ -448,10 +448,8 @@ def _handover(contract: Contract, module, sites: frozenset) -> tuple[str, str]:
 
 
 # What each target module patches, per selected site: (site, owner path, attr, wrapper).
-def _patches(module, contract: Contract, checked: bool = True) -> list[tuple[Site, Patch]]:
+def _patches(module, contract: Contract) -> list[tuple[Site, Patch]]:
     key = module.__name__
-    if not checked:  # uninstall: only the owners and names
-        contract = _Unchecked(module)
     out: list[tuple[Site, Patch]] = []
     if key == DRAFT:
         contract.params("sample_draft_block", {"markov_head": KEYWORD_ONLY, "base_logits": KEYWORD_ONLY})
@@ -535,10 +533,12 @@ MODULE_SITES = {
 
 def _all_patches(module) -> list[tuple[Site, Patch]]:
     """Every patch the module could take (for uninstall), without the contract checks."""
-    return _patches(module, Contract(NAME, module), checked=False)
+    return _patches(module, _Unchecked(module))
 
 
 class _Unchecked(Contract):
+    """A contract that checks nothing: uninstall only needs the owners and names."""
+
     def __init__(self, module):
         super().__init__(NAME, module)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import importlib.util
 import os
 import sys
 from collections.abc import Mapping
@@ -16,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from . import ADAPTERS, load
-from .contract import Refused, engine_version
+from .contract import Refused, engine_version, installed
 from .flags import FlagError
 
 PREFIX = "[sglang-adapters]"
@@ -60,12 +59,7 @@ class InstalledEngine:
 
     def module(self, name: str):
         """The module, or None when this release does not have it."""
-        try:
-            if importlib.util.find_spec(name) is None:
-                return None
-        except ModuleNotFoundError:
-            return None
-        return importlib.import_module(name)
+        return importlib.import_module(name) if installed(name) else None
 
 
 def engine_check(adapter, *, patch: bool, engine=None, as_if_on: bool = False) -> tuple[str, str]:

@@ -171,8 +171,6 @@ class SourceEngine:
         module = SourceModule(name)
         module.__file__ = str(path)
         module.__engine__ = self
-        module.__engine_version__ = self.version
-        module.__engine_root__ = str(self.root)
         module.__star_sources__ = []
         self._modules[name] = module
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
