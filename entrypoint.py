@@ -19,8 +19,8 @@ import runpy
 import sys
 import tempfile
 
-from adapter import ADAPTERS, load, runtime
-from adapter.contract import engine_version
+from adapter import load, runtime
+from adapter.contract import InstalledEngine
 from adapter.source_engine import open_engine
 
 SERVER_MODULE = "sglang.launch_server"
@@ -38,35 +38,40 @@ def doctor(argv: list[str]) -> int:
     opts = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as workdir:
-        engine = open_engine(opts.engine, workdir) if opts.engine else None
-        if engine is None:
-            outcomes = runtime.apply_all(os.environ)
-        else:
-            outcomes = [runtime.decide(load(name), os.environ, patch=False, engine=engine) for name in ADAPTERS]
-        rows = []
-        for name, outcome in zip(ADAPTERS, outcomes):
-            adapter = load(name)
-            # The engine check runs whatever the flag says, so that a drifted engine fails
-            # `docker build` even though the image is built with every flag unset.
-            if outcome.state in (runtime.APPLIED, runtime.SUPERSEDED):
-                check = (outcome.state, outcome.reason)
-            else:
-                check = runtime.engine_check(adapter, patch=False, engine=engine, as_if_on=True)
-            rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1]})
-    if engine is None:
-        version, delivery, ranks = engine_version(), runtime.delivery_problems(os.environ), None
-    else:
-        version, delivery = engine.version, []
+        engine = open_engine(opts.engine, workdir) if opts.engine else InstalledEngine()
+        found = report(os.environ, engine)
+    if opts.engine:
         ranks = f"not checked: the engine at {opts.engine} is read from its sources, not installed here"
-    unknown = runtime.unknown_flags(os.environ)
-    failed = any(r["state"] == runtime.REFUSED or r["engine_check"] == runtime.REFUSED for r in rows)
-
-    if opts.json:
-        print(json.dumps({"engine": version, "source": opts.engine, "adapters": rows, "delivery_problems": delivery,
-                          "unknown_flags": unknown}, indent=2))
     else:
-        print(render_table(version, rows, delivery, ranks, unknown))
-    return 1 if opts.strict and (failed or delivery or unknown) else 0
+        ranks = None
+    if opts.json:
+        print(json.dumps({key: found[key] for key in ("engine", "adapters", "delivery_problems", "unknown_flags", "problems")}
+                         | {"source": opts.engine}, indent=2))
+    else:
+        if found["delivery_problems"] and not found["enabled"]:
+            ranks = "; ".join(found["delivery_problems"]) + " (every adapter is off: nothing is lost, the launch goes on)"
+        print(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"]))
+    return 1 if opts.strict and found["failed"] else 0
+
+
+def report(environ, engine) -> dict:
+    """doctor's findings: the decision the launcher and every rank take for `environ` on
+    `engine`, plus each adapter's engine check (switched on, every other adapter off), so
+    that a drifted engine fails `docker build` although the image is built with every flag
+    unset. `failed` is what --strict exits 1 on."""
+    decision = runtime.decide(environ, engine)
+    rows = []
+    for outcome in decision.outcomes:
+        adapter = load(outcome.adapter)
+        check = runtime.engine_check(adapter, engine)
+        rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1]})
+    installed = isinstance(engine, InstalledEngine)
+    return {
+        "engine": decision.engine, "adapters": rows, "enabled": decision.enabled, "problems": decision.problems,
+        "delivery_problems": runtime.delivery_problems(environ) if installed else [],
+        "unknown_flags": runtime.unknown_flags(environ),
+        "failed": decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows),
+    }
 
 
 def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str | None = None,
@@ -95,10 +100,7 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
 
 
 def launch(argv: list[str]) -> int:
-    outcomes = runtime.apply_all(os.environ)
-    enabled = [o for o in outcomes if o.state != runtime.OFF]
-    problems = runtime.unknown_flags(os.environ) + (runtime.delivery_problems(os.environ) if enabled else [])
-    error = runtime.refusal(outcomes, problems)
+    error = runtime.apply_once(os.environ).error()
     if error is not None:
         print(f"{runtime.PREFIX} {error}", file=sys.stderr, flush=True)
         return 2

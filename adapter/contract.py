@@ -22,11 +22,22 @@ KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 
 
 def engine_version() -> str:
-    # Read from the distribution metadata: importing sglang itself has side effects.
+    """The installed engine's release, without importing sglang (its import has side
+    effects): from its distribution metadata, else (a source checkout on PYTHONPATH)
+    from the package's own version file."""
     try:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
         return "not installed"
+    from .source_engine import read_version
+
+    return read_version(pathlib.Path(spec.submodule_search_locations[0]).parent)
 
 
 # A module read from a source tree (adapter.source_engine) carries its SourceEngine as
@@ -55,6 +66,18 @@ def installed(name: str) -> bool:
         return False
 
 
+class InstalledEngine:
+    """The engine this interpreter imports: its modules are imported for real."""
+
+    @property
+    def version(self) -> str:
+        return engine_version()
+
+    def module(self, name: str):
+        """The module, or None when this release does not have it."""
+        return importlib.import_module(name) if installed(name) else None
+
+
 def sibling(module, name: str):
     """Another module of the same engine as `module`: read from the same source tree
     for modules read from source, else imported."""
@@ -65,12 +88,6 @@ def sibling(module, name: str):
     if found is None:
         raise ModuleNotFoundError(f"{name} is missing from the engine at {engine.root}")
     return found
-
-
-def has_module(module, name: str) -> bool:
-    """Whether the engine that `module` comes from has module `name` (nothing imported)."""
-    engine = getattr(module, "__engine__", None)
-    return engine.path(name) is not None if engine is not None else installed(name)
 
 
 def from_source(module) -> bool:
@@ -89,31 +106,63 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Patch:
-    """One attribute an adapter replaces: `owner.name` wrapped by `wrapper` (wrapt style)."""
+    """One attribute an adapter replaces: `owner.name` wrapped by `wrapper` (wrapt style),
+    or, with `proxy`, replaced by `proxy(original)` (a wrapt.ObjectProxy subclass)."""
 
     owner: object
     name: str
-    wrapper: Callable
+    wrapper: Optional[Callable] = None
+    proxy: Optional[type] = None
+
+    @property
+    def where(self) -> str:
+        return f"{getattr(self.owner, '__name__', str(self.owner)).rpartition('.')[2]}.{self.name}"
 
 
 @dataclass
 class Plan:
-    """What installing an adapter into one module would do, decided by `check`."""
+    """What an adapter would do to one engine, decided by its `check`; nothing done yet.
 
-    state: str  # "applied", "superseded" or "not needed"
+    state: "applied" or "superseded" for a whole adapter ("not needed" for one module);
+    env: variables handed to the engine's own switches (the runtime sets them)."""
+
+    state: str
     detail: str
     patches: list[Patch] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One binding an adapter wraps, declared: the checks and the patch derive from it.
+
+    binding: "name" or "Class.attr" in `module`; params: the parameters the wrapper relies
+    on (name -> kind); used_in: the functions where the bound name may be used in its
+    module (a use anywhere else is a path the wrapper does not see); tag: what the hook
+    serves (the rank-0 broadcast's sites)."""
+
+    module: str
+    binding: str
+    wrapper: Optional[Callable] = None
+    params: dict = field(default_factory=dict)
+    used_in: tuple[str, ...] = ()
+    proxy: Optional[type] = None
+    tag: frozenset = frozenset()
 
 
 class Contract:
     """Checks one engine module on behalf of one adapter; every failure is a `Refused`."""
 
-    def __init__(self, adapter: str, module):
+    def __init__(self, adapter: str, module, *, name: Optional[str] = None, source: Optional[str] = None):
+        """`name` and `source` stand in for another file of the same engine as `module`."""
         self.adapter = adapter
         self.module = module
+        self.name = name or module.__name__
+        self._source = source
+        self._tree: Optional[ast.AST] = None
 
     def refuse(self, symbol: str, problem: str) -> Refused:
-        return Refused(self.adapter, f"{self.module.__name__}:{symbol}", problem, version_of(self.module))
+        return Refused(self.adapter, f"{self.name}:{symbol}", problem, version_of(self.module))
 
     def attr(self, dotted: str):
         """Resolve `Class.attr` in the module. A class attribute must be defined on the
@@ -171,10 +220,53 @@ class Contract:
             raise self.refuse(dotted, f"source is unreadable ({exc})")
 
     def source(self) -> str:
-        try:
-            return inspect.getsource(self.module)
-        except (OSError, TypeError) as exc:
-            raise self.refuse("<source>", f"module source is unreadable ({exc}); call sites cannot be checked")
+        if self._source is None:
+            try:
+                self._source = inspect.getsource(self.module)
+            except (OSError, TypeError) as exc:
+                raise self.refuse("<source>", f"module source is unreadable ({exc}); call sites cannot be checked")
+        return self._source
+
+    def tree(self) -> ast.AST:
+        if self._tree is None:
+            self._tree = ast.parse(self.source())
+        return self._tree
+
+    def uses(self, name: str, *, attribute: bool = False) -> list["Found"]:
+        """Every read of `name` in the module: as a bare name, or with `attribute`, as `x.name`."""
+        if attribute:
+            return find(self.tree(), lambda n: isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.ctx, ast.Load))
+        return find(self.tree(), lambda n: isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load))
+
+    def only_used_in(self, name: str, functions: Iterable[str], *, attribute: bool = False, required: bool = True,
+                     ignore: Callable[["Found"], bool] = lambda found: False) -> list["Found"]:
+        """`name` is read only inside `functions` (and, if `required`, at least once): a read
+        anywhere else is a path the adapter does not cover; a site that vanished has moved."""
+        functions = tuple(functions)
+        found = [f for f in self.uses(name, attribute=attribute) if not ignore(f)]
+        if not found and required:
+            raise self.refuse(name, f"no longer used in {', '.join(functions)}; the site moved")
+        for f in found:
+            if not within(f.function, functions):
+                raise self.refuse(f.function, f"line {f.line} uses {name}, a path this adapter does not cover")
+        return found
+
+    def hook(self, hook: Hook) -> Patch:
+        """Check one declared hook and return its patch."""
+        owner_path, _, attr = hook.binding.rpartition(".")
+        if hook.params:
+            self.params(hook.binding, hook.params)
+        else:
+            self.attr(hook.binding)
+        if hook.used_in:
+            self.only_used_in(attr, hook.used_in)
+        owner = self.attr(owner_path) if owner_path else self.module
+        return Patch(owner, attr, hook.wrapper, hook.proxy)
+
+
+def within(function: str, functions: Iterable[str]) -> bool:
+    """`function` is one of `functions` or nested in one of them."""
+    return any(function == f or function.startswith(f + ".") for f in functions)
 
 
 @dataclass(frozen=True)
@@ -213,27 +305,31 @@ def calls(tree: ast.AST, name: str, *, method: bool) -> list[Found]:
     return find(tree, match)
 
 
-@dataclass(frozen=True)
-class CallSite:
-    """A call of one of the watched methods, found in a module's source."""
+def target_modules(adapter: str, engine, targets) -> dict:
+    """The adapter's target modules in `engine`, by name ((name, required) pairs); a
+    required one that is missing, or any that no longer loads, is refused."""
+    found = {}
+    for name, required in targets:
+        try:
+            module = engine.module(name)
+        except Exception as exc:  # a module that no longer loads cannot be checked
+            raise Refused(adapter, name, f"import failed: {type(exc).__name__}: {exc}", engine.version) from exc
+        if module is None:
+            if required:
+                raise Refused(adapter, name, "module is missing from this engine", engine.version)
+            continue
+        found[name] = module
+    return found
 
-    function: str  # qualified name of the enclosing function, or "<module>"
-    line: int
-    method: str
-    write_target: bool  # passed as an `out=`/`*_out=` argument: the callee writes through it
 
-
-def call_sites(source: str, methods: Iterable[str]) -> list[CallSite]:
-    """Every call `<anything>.<method>(...)` for the given method names, with the
-    function that makes it, and whether it is passed as a write target."""
-    tree = ast.parse(source)
-    out_args = {
-        id(kw.value)
-        for node in ast.walk(tree) if isinstance(node, ast.Call)
-        for kw in node.keywords if kw.arg and (kw.arg == "out" or kw.arg.endswith("_out"))
-    }
-    found = [f for method in frozenset(methods) for f in calls(tree, method, method=True)]
-    return [
-        CallSite(f.function, f.line, f.node.func.attr, id(f.node) in out_args)
-        for f in sorted(found, key=lambda f: (f.line, f.node.col_offset))
-    ]
+def combine(adapter: str, version: str, plans: Iterable[Plan]) -> Plan:
+    """One adapter's plan from its per-module plans. A module's "not needed" never makes
+    the adapter applied on its own: something must be patched or already fixed upstream."""
+    done = [p for p in plans if p.state in ("applied", "superseded")]
+    if not done:
+        raise Refused(adapter, "<engine>", "found nothing to patch and no upstream fix", version)
+    state = "applied" if any(p.state == "applied" for p in done) else "superseded"
+    env: dict[str, str] = {}
+    for plan in done:
+        env.update(plan.env)
+    return Plan(state, "; ".join(p.detail for p in done), [x for p in done for x in p.patches], env)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-_ON = ("1", "on", "true")
-_OFF = ("0", "off", "false")
+ON_WORDS = ("1", "on", "true")
+# Off for every flag of the pack; the site selector also takes an empty value as off.
+OFF_WORDS = ("0", "off", "false", "none")
 
 
 class FlagError(ValueError):
@@ -16,7 +17,7 @@ class FlagError(ValueError):
 
 
 def parse_switch(name: str, environ: Mapping[str, str]) -> bool:
-    """On/off flag: 1/0, on/off, true/false in any case; unset means off.
+    """On/off flag: 1/on/true, 0/off/false/none in any case; unset means off.
 
     Anything else, including an empty value or surrounding spaces, is refused,
     because a typo must never silently pick a side.
@@ -24,12 +25,12 @@ def parse_switch(name: str, environ: Mapping[str, str]) -> bool:
     raw = environ.get(name)
     if raw is None:
         return False
-    if raw.lower() in _ON:
+    if raw.lower() in ON_WORDS:
         return True
-    if raw.lower() in _OFF:
+    if raw.lower() in OFF_WORDS:
         return False
     raise FlagError(
         f"{name}={raw!r} is not understood; accepted values are "
-        f"{'/'.join(_ON)} to switch it on and {'/'.join(_OFF)} to switch it off "
+        f"{'/'.join(ON_WORDS)} to switch it on and {'/'.join(OFF_WORDS)} to switch it off "
         f"(any case, no spaces), or leave {name} unset for off"
     )

@@ -14,20 +14,22 @@ writes through it. The eager path already returns fresh tensors and is untouched
 
 from __future__ import annotations
 
+import ast
 import os
 from collections.abc import Mapping
 
-from . import accept_snapshot, patching
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, call_sites, package_dir
+from . import accept_snapshot
+from .contract import (KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, combine, package_dir, target_modules,
+                       within)
 from .flags import parse_switch
 
 NAME = "folded_fence"
 FLAG = "DSV41_FOLDED_FENCE"
 SUMMARY = "detach DSpark folded verify results from the verify graph's persistent buffers"
-# The flag value doctor and the compatibility matrix check the engine with.
-CHECK_VALUE = "1"
+CHECK_VALUE = "1"  # the setting doctor's engine check and the compatibility matrix use
 
-PACKAGE = "sglang.srt.speculative.dspark_components"
+SPEC = "sglang.srt.speculative"
+PACKAGE = f"{SPEC}.dspark_components"
 VERIFY = f"{PACKAGE}.dspark_verify"
 SAMPLING_ACCEPT_GRAPH = f"{PACKAGE}.dspark_sampling_accept_graph"
 WORKER = f"{PACKAGE}.dspark_worker_v2"
@@ -89,79 +91,62 @@ ESCAPE_PARAMS = {
 }
 
 
+def _reader_uses(contract: Contract, allowed) -> list:
+    """Every read of an epilogue reader in the module, other than a write target (passed
+    as `out=`/`*_out=`: the callee writes through the views); one outside `allowed` is an
+    escape route the fence does not cover, and it refuses."""
+    written = {id(kw.value.func) for node in ast.walk(contract.tree()) if isinstance(node, ast.Call)
+               for kw in node.keywords
+               if kw.arg and (kw.arg == "out" or kw.arg.endswith("_out")) and isinstance(kw.value, ast.Call)}
+    return [f for reader in READERS for f in contract.only_used_in(
+        reader, allowed, attribute=True, required=False, ignore=lambda f: id(f.node) in written)]
+
+
 def _refuse_unpatched_readers(contract: Contract) -> None:
-    """A module of the speculative package outside ESCAPES that takes epilogue views
-    (other than as a write target) is an escape route in a module the fence never sees."""
-    root = package_dir(contract.module, "sglang.srt.speculative")
+    """A module of the speculative package outside ESCAPES that takes epilogue views is
+    an escape route in a module the fence never sees."""
+    root = package_dir(contract.module, SPEC)
     for path in sorted(root.rglob("*.py")):
-        name = "sglang.srt.speculative." + ".".join(path.relative_to(root).with_suffix("").parts)
+        name = f"{SPEC}." + ".".join(path.relative_to(root).with_suffix("").parts)
         text = path.read_text(encoding="utf-8", errors="replace")
-        if name in ESCAPES or not any(f".{reader}(" in text for reader in READERS):
+        if name in ESCAPES or not any(reader in text for reader in READERS):
             continue
-        for site in call_sites(text, READERS):
-            if not site.write_target:
-                raise contract.refuse(
-                    f"{name}:{site.function}",
-                    f"line {site.line} takes {site.method}() views in a module the fence does not patch",
-                )
+        _reader_uses(Contract(NAME, contract.module, name=name, source=text), ())
 
 
-def check(module) -> Plan:
-    """Check the contract in `module` and say what installing would do; patches nothing."""
-    key = module.__name__
-    contract = Contract(NAME, module)
-    if key not in ESCAPES:
-        raise contract.refuse("<module>", f"not a module the fence patches ({', '.join(ESCAPES)})")
-    superseded = []
+def _module_plan(contract: Contract) -> Plan:
+    """The escape routes of one module, each checked; patches nothing."""
+    key = contract.module.__name__
     if key == VERIFY:
         contract.struct_fields("AcceptOuts", FIELDS)
         contract.params("DsparkVerifyEpilogue.read_accept", {"self": POSITIONAL, "bs": POSITIONAL})
         contract.params("TargetVerifyExecutor.accept_and_finalize", ESCAPE_PARAMS["TargetVerifyExecutor.accept_and_finalize"])
         _refuse_unpatched_readers(contract)
-    patches = []
     escapes = ESCAPES[key]
-    seen = set()
-    for site in call_sites(contract.source(), READERS + (UPSTREAM_SNAPSHOT,)):
-        if site.method == UPSTREAM_SNAPSHOT:
-            superseded.append(site.function)
-            continue
-        if site.write_target or site.function in NOT_ESCAPES.get(key, ()):
-            continue
-        if site.function not in escapes:
-            raise contract.refuse(
-                site.function,
-                f"line {site.line} hands out {site.method}() views, an escape route the fence does not cover",
-            )
-        seen.add(site.function)
-    for function in sorted(seen):
+    found = _reader_uses(contract, tuple(escapes) + tuple(NOT_ESCAPES.get(key, ())))
+    seen = sorted({f.function for f in found if f.function in escapes})
+    snapshots = {f.function for f in contract.uses(UPSTREAM_SNAPSHOT, attribute=True)}
+    patches = []
+    for function in seen:
         owner_name, _, attr = function.rpartition(".")
         contract.params(function, ESCAPE_PARAMS[function])
         patches.append(Patch(contract.attr(owner_name), attr, escapes[function]))
     if key == VERIFY and "TargetVerifyExecutor.accept_and_finalize" not in seen:
-        if "TargetVerifyExecutor.accept_and_finalize" in superseded:
-            contract.attr(f"DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT}")
-            if not patches:
-                return Plan(
-                    "superseded",
-                    f"the engine snapshots the folded result itself (DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT})",
-                )
-        else:
+        if not any(within(f, ("TargetVerifyExecutor.accept_and_finalize",)) for f in snapshots):
             raise contract.refuse(
                 "TargetVerifyExecutor.accept_and_finalize",
                 "no longer returns read_accept(bs) on the folded path; what its result aliases is unknown",
             )
+        contract.attr(f"DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT}")
+        if not patches:
+            return Plan("superseded", f"the engine snapshots the folded result itself "
+                                      f"(DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT})")
     if not patches:
         return Plan("not needed", "no epilogue views escape here")
     return Plan("applied", "fenced " + ", ".join(f"{p.owner.__name__}.{p.name}" for p in patches), patches)
 
 
-def install(module) -> Plan:
-    return patching.install_plan(check(module), NAME)
-
-
-def uninstall(module) -> None:
-    for function in ESCAPES.get(module.__name__, {}):
-        owner_name, _, attr = function.rpartition(".")
-        owner = getattr(module, owner_name, None)
-        if owner is not None:
-            patching.remove(owner, attr, NAME)
+def check(engine, enabled: bool, context) -> Plan:
+    """What fencing every escape route takes on `engine`; patches nothing."""
+    modules = target_modules(NAME, engine, TARGETS)
+    return combine(NAME, engine.version, [_module_plan(Contract(NAME, module)) for module in modules.values()])

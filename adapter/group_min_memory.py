@@ -21,7 +21,8 @@ attn_tp_group (`parallel_state._TP_STATE_PATCHED`), and `get_parallel().tp_group
 a live read of that swapped `_TP`, so neither is used there.
 
 From 0.5.19 the engine does this itself; the adapter then reports superseded as
-long as the engine's own switch SGLANG_SPEC_TP_SYNC keeps sites 1 (dspark-mem) and
+long as the engine's own switch SGLANG_SPEC_TP_SYNC, as the engine will read it (the
+user's value, or what rank0_broadcast hands over), keeps sites 1 (dspark-mem) and
 12 (dflash-mem) on, and refuses otherwise.
 """
 
@@ -36,37 +37,33 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import patching
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, calls, from_source, sibling
+from . import upstream_sync
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Plan, Refused, calls, combine, sibling, target_modules
 from .flags import parse_switch
+from .sites import MEMORY, Site, labels
 
 NAME = "group_min_memory"
 FLAG = "DSV41_GROUP_MIN_MEM"
 SUMMARY = "free-memory probes gating DSpark/DFlash draft graph capture and DSpark folded sampling return the group minimum"
-# The flag value doctor and the compatibility matrix check the engine with.
-CHECK_VALUE = "1"
+CHECK_VALUE = "1"  # the setting doctor's engine check and the compatibility matrix use
+AFTER = ("rank0_broadcast",)  # reads what it hands to SGLANG_SPEC_TP_SYNC
 
 SPEC = "sglang.srt.speculative"
-SPEC_TP_SYNC = f"{SPEC}.spec_tp_sync"  # 0.5.19+: the upstream fix
 DSPARK_WORKER = f"{SPEC}.dspark_components.dspark_worker_v2"
 DSPARK_SAMPLER = f"{SPEC}.dspark_components.dspark_draft_sampler"  # 0.5.17+
 DFLASH_WORKER = f"{SPEC}.dflash_worker_v2"
-# (module, required). The upstream module comes first so that a refusal of the user's
-# SGLANG_SPEC_TP_SYNC is the reason reported.
-TARGETS = ((SPEC_TP_SYNC, False), (DSPARK_WORKER, True), (DSPARK_SAMPLER, False), (DFLASH_WORKER, True))
+# (module, required); spec_tp_sync (0.5.19+) is the upstream fix.
+TARGETS = ((upstream_sync.MODULE, False), (DSPARK_WORKER, True), (DSPARK_SAMPLER, False), (DFLASH_WORKER, True))
 
 HELPER = "get_available_gpu_memory"
 HELPER_HOME = "sglang.srt.utils.common"
 HELPER_PARAMS = {name: POSITIONAL for name in ("device", "gpu_id", "distributed", "empty_cache", "cpu_group")}
 PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
 DP_ATTENTION = "sglang.srt.layers.dp_attention"
-
-# Upstream's sites and the slugs SGLANG_SPEC_TP_SYNC selects them by.
-UPSTREAM_SITES = {"DSPARK_MEM": (1, "dspark-mem"), "DFLASH_MEM": (12, "dflash-mem")}
 UPSTREAM_PROBE = "SpecTpSync.available_memory_gb"
 
 # Collectives this adapter issued in this process, per probe site (one all_reduce
-# per reduced probe call); read by the tests and handy in a debugger.
+# per reduced probe call).
 COLLECTIVES: collections.Counter = collections.Counter()
 
 
@@ -116,126 +113,83 @@ def dflash_group():
 
 
 @dataclass(frozen=True)
-class Site:
+class Probe:
     function: str  # qualified name of the function whose decision the probe gates
-    upstream_site: str  # SpecTpSyncSite member covering it from 0.5.19
+    site: Site  # the upstream site covering it from 0.5.19
     label: str  # key in COLLECTIVES
     group: Callable[[], object]
 
 
-SITES = {
-    DSPARK_WORKER: Site("DSparkWorkerV2.init_cuda_graphs", "DSPARK_MEM", "dspark-capture", dspark_draft_graph_group),
-    DSPARK_SAMPLER: Site("_resolve_folded_sampling", "DSPARK_MEM", "dspark-folded-sampling", dspark_draft_graph_group),
-    DFLASH_WORKER: Site("DFlashWorkerV2.init_cuda_graphs", "DFLASH_MEM", "dflash-capture", dflash_group),
+PROBES = {
+    DSPARK_WORKER: Probe("DSparkWorkerV2.init_cuda_graphs", Site.DSPARK_MEM, "dspark-capture", dspark_draft_graph_group),
+    DSPARK_SAMPLER: Probe("_resolve_folded_sampling", Site.DSPARK_MEM, "dspark-folded-sampling", dspark_draft_graph_group),
+    DFLASH_WORKER: Probe("DFlashWorkerV2.init_cuda_graphs", Site.DFLASH_MEM, "dflash-capture", dflash_group),
 }
 
 
-def calls_of(source: str, name: str, *, method: bool = False):
-    """Every call of the probe helper (or, with `method`, of `x.name(...)`) in the source."""
-    return calls(ast.parse(source), name, method=method)
-
-
-def _group_minimum(site: Site):
+def _group_minimum(probe: Probe):
     def wrapper(wrapped, instance, args, kwargs):
-        group = site.group()
+        group = probe.group()
         if group is None or group.world_size <= 1:
             return wrapped(*args, **kwargs)
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
         bound.arguments["distributed"] = True
         bound.arguments["cpu_group"] = group.cpu_group
-        COLLECTIVES[site.label] += 1
+        COLLECTIVES[probe.label] += 1
         return wrapped(*bound.args, **bound.kwargs)
 
-    wrapper.__name__ = f"group_min_{site.label.replace('-', '_')}"
+    wrapper.__name__ = f"group_min_{probe.label.replace('-', '_')}"
     return wrapper
+
+
+# The consumer modules' own bindings of the engine helper, one per probe site.
+HOOKS = {module: Hook(module, HELPER, _group_minimum(probe), HELPER_PARAMS, (probe.function,))
+         for module, probe in PROBES.items()}
 
 
 # ---------------------------------------------------------------- upstream (0.5.19+)
 
 
-def _upstream_sites(contract: Contract) -> str:
-    """SGLANG_SPEC_TP_SYNC, as the engine reads it, keeps both MEM sites on; else refuse."""
-    site_enum = contract.attr("SpecTpSyncSite")
-    source_only = from_source(contract.module)
-    for member, (number, slug) in UPSTREAM_SITES.items():
-        value = contract.attr(f"SpecTpSyncSite.{member}")
-        # Read from source, a member is its literal number; its slug needs an import.
-        found_slug = slug if source_only else getattr(value, "slug", None)
-        if not isinstance(value, int) or int(value) != number or found_slug != slug:
-            raise contract.refuse(f"SpecTpSyncSite.{member}", f"is {value!r}:{found_slug}, expected {number}:{slug}")
-    parse_sites = contract.attr("parse_spec_tp_sync")
-    if source_only:
-        return _upstream_default(contract)
-    envs = contract.attr("envs")
-    raw = envs.SGLANG_SPEC_TP_SYNC.get()
-    try:
-        selected = parse_sites(raw)
-    except ValueError as exc:
-        raise contract.refuse("SGLANG_SPEC_TP_SYNC", f"the engine rejects {raw!r}: {exc}")
-    missing = [m for m in UPSTREAM_SITES if getattr(site_enum, m) not in selected]
-    if missing:
-        names = ", ".join(f"{UPSTREAM_SITES[m][0]}:{UPSTREAM_SITES[m][1]}" for m in missing)
-        raise contract.refuse(
-            "SGLANG_SPEC_TP_SYNC",
-            f"={raw!r} excludes {names}: the engine would then probe free memory per rank and "
-            f"{FLAG}=1 could not be kept; keep those sites on (e.g. 'all', 'init', or drop "
-            f"the '-' tokens) or switch {FLAG} off",
-        )
-    return raw
-
-
-def _upstream_default(contract: Contract) -> str:
-    """For an engine read from source: only the engine's default selection can be judged
-    (parsing a set SGLANG_SPEC_TP_SYNC needs the engine's own parser, i.e. an import)."""
-    if "SGLANG_SPEC_TP_SYNC" in os.environ:
-        raise contract.refuse(
-            "SGLANG_SPEC_TP_SYNC", "is set; judging it needs the engine's own parser: run doctor on the installed engine"
-        )
-    environ_source = Contract(NAME, sibling(contract.module, "sglang.srt.environ")).source()
-    if 'SGLANG_SPEC_TP_SYNC = EnvStr("all")' not in environ_source:
-        raise contract.refuse("sglang.srt.environ:SGLANG_SPEC_TP_SYNC", "its default is no longer 'all'")
-    return "all"
-
-
-def check_upstream(module) -> Plan:
+def check_upstream(module, context) -> Plan:
+    """The engine reduces the probes itself, and its switch (as the engine will read it)
+    keeps both memory sites on; else refuse: the probes would run per rank."""
     contract = Contract(NAME, module)
     contract.params(UPSTREAM_PROBE, {"site": POSITIONAL, "device": POSITIONAL, "gpu_id": POSITIONAL, "group": KEYWORD_ONLY})
     reductions = [
-        c for c in calls_of(contract.source(), HELPER)
+        c for c in calls(contract.tree(), HELPER, method=False)
         if c.function == UPSTREAM_PROBE and {"distributed", "cpu_group"} <= {k.arg for k in c.node.keywords}
     ]
     if not reductions:
         raise contract.refuse(UPSTREAM_PROBE, f"no longer calls {HELPER}(..., distributed=..., cpu_group=...)")
-    raw = _upstream_sites(contract)
-    return Plan(
-        "superseded",
-        f"the engine reduces the probes to the group minimum itself ({module.__name__}:{UPSTREAM_PROBE}); "
-        f"SGLANG_SPEC_TP_SYNC={raw!r} keeps 1:dspark-mem and 12:dflash-mem on",
-    )
+    numbers = upstream_sync.engine_sites(contract)
+    for site in MEMORY:
+        if numbers.get(site.name) != int(site):
+            raise contract.refuse(f"SpecTpSyncSite.{site.name}", f"is {numbers.get(site.name)!r}, expected {int(site)}")
+    what, selected = upstream_sync.selected(contract, context)
+    missing = frozenset(s for s in MEMORY if int(s) not in selected)
+    if missing:
+        raise contract.refuse(
+            upstream_sync.ENGINE_FLAG,
+            f"{what} leaves out sites {labels(missing)}: the engine would then probe free memory per rank and "
+            f"{FLAG}=1 could not be kept; keep those sites on or switch {FLAG} off")
+    return Plan("superseded", f"the engine reduces the probes to the group minimum itself "
+                              f"({module.__name__}:{UPSTREAM_PROBE}); {what} keeps {labels(MEMORY)} on")
 
 
-def _superseded_consumer(contract: Contract, site: Site) -> Optional[Plan]:
+def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
     """0.5.19+: the consumer asks SpecTpSync for the memory (or, 0.5.19-0.5.21 sampler,
     receives it as a parameter). None when the module shows neither."""
-    source = contract.source()
-    probed = False
-    for call in calls_of(source, "available_memory_gb", method=True):
-        if call.function != site.function:
-            raise contract.refuse(call.function, f"line {call.line} calls available_memory_gb() outside {site.function}")
-        first = call.node.args[0] if call.node.args else None
-        if not (isinstance(first, ast.Attribute) and first.attr == site.upstream_site):
-            raise contract.refuse(site.function, f"line {call.line} no longer probes site {site.upstream_site}")
-        probed = True
-    if probed:
-        _upstream_sites(Contract(NAME, sibling(contract.module, SPEC_TP_SYNC)))
-        return Plan("superseded", f"{site.function} probes through {SPEC_TP_SYNC}:{UPSTREAM_PROBE}({site.upstream_site})")
-    func = getattr(contract.module, site.function, None) if "." not in site.function else None
+    asked = contract.uses("available_memory_gb", attribute=True)
+    for found in calls(contract.tree(), "available_memory_gb", method=True):
+        first = found.node.args[0] if found.node.args else None
+        if not (isinstance(first, ast.Attribute) and first.attr == probe.site.name):
+            raise contract.refuse(probe.function, f"line {found.line} no longer probes site {probe.site.name}")
+    if asked:
+        contract.only_used_in("available_memory_gb", (probe.function,), attribute=True)
+        return Plan("superseded", f"{probe.function} probes through {upstream_sync.MODULE}:{UPSTREAM_PROBE}({probe.site.name})")
+    func = getattr(contract.module, probe.function, None) if "." not in probe.function else None
     if func is not None and "available_memory_gb" in inspect.signature(func).parameters:
-        _upstream_sites(Contract(NAME, sibling(contract.module, SPEC_TP_SYNC)))
-        return Plan(
-            "superseded",
-            f"{site.function} takes available_memory_gb from {UPSTREAM_PROBE}({site.upstream_site})",
-        )
+        return Plan("superseded", f"{probe.function} takes available_memory_gb from {UPSTREAM_PROBE}({probe.site.name})")
     return None
 
 
@@ -250,58 +204,44 @@ def _check_group_accessors(module) -> None:
     Contract(NAME, sibling(module, DP_ATTENTION)).attr("is_dp_attention_enabled")
 
 
-def check(module) -> Plan:
-    """Check the contract in `module` and say what installing would do; patches nothing."""
-    key = module.__name__
+def _module_plan(module) -> Plan:
+    """The probe in one consumer module: reduced by the adapter, or by the engine itself."""
+    name = module.__name__
     contract = Contract(NAME, module)
-    if key == SPEC_TP_SYNC:
-        return check_upstream(module)
-    site = SITES.get(key)
-    if site is None:
-        raise contract.refuse("<module>", f"not a module this adapter patches ({', '.join([SPEC_TP_SYNC, *SITES])})")
+    probe = PROBES[name]
     if HELPER not in vars(module):
-        plan = _superseded_consumer(contract, site)
+        plan = _superseded_consumer(contract, probe)
         if plan is not None:
             return plan
-        if calls_of(contract.source(), HELPER):
+        if contract.uses(HELPER):
             raise contract.refuse(HELPER, "is called but no longer bound in the module")
-        return Plan("not needed", f"{key} makes no free-memory probe")
+        return Plan("not needed", f"{name} makes no free-memory probe")
     # The binding is the engine helper, with the parameters the wrapper fills in.
-    binding = contract.params(HELPER, HELPER_PARAMS)
+    patch = contract.hook(HOOKS[name])
+    binding = getattr(module, HELPER)
     helper = getattr(sibling(module, HELPER_HOME), HELPER)
     if inspect.unwrap(binding) is not inspect.unwrap(helper):
         raise contract.refuse(HELPER, f"is not the engine helper {HELPER_HOME}.{HELPER} ({binding!r})")
-    # The probe calls sit where the decision is taken, and pass only (device, gpu_id).
-    calls = calls_of(contract.source(), HELPER)
-    for call in calls:
-        if call.function != site.function:
-            raise contract.refuse(
-                call.function,
-                f"line {call.line} probes free memory outside {site.function}: a decision whose group this adapter does not know",
-            )
+    # The probe calls pass only (device, gpu_id): the wrapper sets distributed/cpu_group.
+    for call in calls(contract.tree(), HELPER, method=False):
         if len(call.node.args) != 2 or call.node.keywords:
             raise contract.refuse(
-                site.function,
+                probe.function,
                 f"line {call.line} calls {HELPER} with other than (device, gpu_id); the adapter sets distributed/cpu_group itself",
             )
-    if not calls:
-        raise contract.refuse(site.function, f"no longer calls {HELPER}: the decision it gated moved")
-    contract.attr(site.function)
-    if key == DSPARK_WORKER:
+    contract.attr(probe.function)
+    if name == DSPARK_WORKER:
         if "attn_tp_group" not in contract.function_source("DSparkWorkerV2._draft_context"):
             raise contract.refuse("DSparkWorkerV2._draft_context", "no longer swaps in attn_tp_group; the draft graph group is unknown")
     _check_group_accessors(module)
-    return Plan(
-        "applied",
-        f"{key.rpartition('.')[2]}.{HELPER} in {site.function} reduced to the group minimum",
-        [Patch(module, HELPER, _group_minimum(site))],
-    )
+    return Plan("applied", f"{name.rpartition('.')[2]}.{HELPER} in {probe.function} reduced to the group minimum", [patch])
 
 
-def install(module) -> Plan:
-    return patching.install_plan(check(module), NAME)
-
-
-def uninstall(module) -> None:
-    if HELPER in vars(module):
-        patching.remove(module, HELPER, NAME)
+def check(engine, enabled: bool, context) -> Plan:
+    """What making every probe a group minimum takes on `engine`; patches nothing."""
+    modules = target_modules(NAME, engine, TARGETS)
+    plans = [check_upstream(modules.pop(upstream_sync.MODULE), context)] if upstream_sync.MODULE in modules else []
+    consumers = [_module_plan(module) for module in modules.values()]
+    if not plans and any(p.state == "superseded" for p in consumers):
+        raise Refused(NAME, upstream_sync.MODULE, "is missing, yet a consumer probes through it", engine.version)
+    return combine(NAME, engine.version, plans + consumers)

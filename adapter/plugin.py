@@ -28,7 +28,7 @@ def register() -> None:
 
 
 def _apply_before_init(wrapped, instance, args, kwargs):
-    error = runtime.refusal(runtime.apply_all(), runtime.unknown_flags(os.environ))
+    error = runtime.apply_once(os.environ).error()
     if error is not None:
         raise error
     return wrapped(*args, **kwargs)

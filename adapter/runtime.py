@@ -1,21 +1,27 @@
-"""Deciding and applying every adapter in one process, and reporting what happened.
+"""The one decision and the one actor.
 
-Used by the entrypoint (launcher, doctor) and by the plugin inside each TP rank, so
-that every process takes its decision the same way and prints the same lines.
+Adapters only declare: `parse(environ)` gives a setting, `check(engine, setting,
+context)` gives a plan for the engine it is handed (installed, or read from a
+release's sources). `decide` runs them all the same way for doctor, doctor --engine,
+the launcher and every TP rank; `apply` carries a decision out (patches and the
+variables handed to the engine) through `patching`, which records every change.
+
+What one adapter hands to the engine reaches the adapters decided after it as an
+explicit input (`Context.handed`), never through os.environ, and the order is fixed
+by what each adapter declares it reads (`AFTER`), not by the order of ADAPTERS.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from . import ADAPTERS, load
-from .contract import Refused, engine_version, installed
+from . import ADAPTERS, load, patching
+from .contract import InstalledEngine, Plan, Refused
 from .flags import FlagError
 
 PREFIX = "[sglang-adapters]"
@@ -28,6 +34,21 @@ OFF, APPLIED, SUPERSEDED, REFUSED = "off", "applied", "superseded", "refused"
 class AdapterRefused(Exception):
     """Raised where it stops the engine: an ordinary Exception, so that inside a rank the
     engine's own start-up failure path (SIGQUIT to the launcher, tree kill) takes over."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What an adapter's check may know besides the engine: the process environment (the
+    engine's own switches as the user set them), every adapter's setting (None where its
+    flag was refused), and what the adapters decided before it hand to the engine."""
+
+    environ: Mapping[str, str] = field(default_factory=dict)
+    settings: Mapping[str, object] = field(default_factory=dict)
+    handed: Mapping[str, str] = field(default_factory=dict)
+
+    def engine_env(self, name: str) -> Optional[str]:
+        """The variable as the engine's processes will read it."""
+        return self.handed.get(name, self.environ.get(name))
 
 
 @dataclass(frozen=True)
@@ -50,72 +71,136 @@ class Outcome:
         return asdict(self)
 
 
-class InstalledEngine:
-    """The engine this interpreter imports: modules are imported for real."""
+@dataclass
+class Decision:
+    """Every adapter's outcome for one environment and one engine, and the plans behind
+    them; `problems` are start-up errors outside any adapter (a misspelt flag)."""
+
+    engine: str
+    outcomes: list[Outcome]
+    plans: dict[str, Plan]
+    problems: list[str] = field(default_factory=list)
 
     @property
-    def version(self) -> str:
-        return engine_version()
+    def reasons(self) -> list[str]:
+        return [o.reason for o in self.outcomes if o.state == REFUSED] + self.problems
 
-    def module(self, name: str):
-        """The module, or None when this release does not have it."""
-        return importlib.import_module(name) if installed(name) else None
+    @property
+    def refused(self) -> bool:
+        return bool(self.reasons)
+
+    @property
+    def enabled(self) -> bool:
+        return any(o.state != OFF for o in self.outcomes)
+
+    def error(self) -> Optional[AdapterRefused]:
+        if not self.refused:
+            return None
+        return AdapterRefused("the engine must not start: " + " | ".join(self.reasons))
 
 
-def engine_check(adapter, *, patch: bool, engine=None, as_if_on: bool = False) -> tuple[str, str]:
-    """Check (and with `patch`, install) the adapter in every module it targets.
+def order(names=ADAPTERS) -> list[str]:
+    """Adapters in decision order: each after those whose hand-over it reads (AFTER),
+    otherwise by name, so that the order of ADAPTERS never matters."""
+    pending, done = sorted(names), []
+    while pending:
+        ready = [n for n in pending if all(dep in done or dep not in pending for dep in getattr(load(n), "AFTER", ()))]
+        if not ready:
+            raise RuntimeError(f"adapters read each other's hand-overs in a cycle: {pending}")
+        done.append(ready[0])
+        pending.remove(ready[0])
+    return done
 
-    `as_if_on` checks the adapter as if its flag held CHECK_VALUE (its broadest setting),
-    whatever the environment says: doctor's engine check and the compatibility matrix.
 
-    `engine` gives the modules: the installed one by default, or a source tree read
-    without importing it (adapter.source_engine.SourceEngine). Returns (state, reason).
-    A module-level "not needed" never makes the adapter applied on its own: something
-    must be patched or already fixed upstream.
-    """
-    engine = engine or InstalledEngine()
-    if as_if_on:
-        adapter.parse({adapter.FLAG: adapter.CHECK_VALUE})
-    plans = []
+def _check(adapter, engine, setting, context: Context) -> tuple[str, str, Optional[Plan]]:
     try:
-        for module_name, required in adapter.TARGETS:
-            try:
-                module = engine.module(module_name)
-            except Exception as exc:  # a module that no longer loads cannot be checked
-                raise Refused(adapter.NAME, module_name, f"import failed: {type(exc).__name__}: {exc}", engine.version) from exc
-            if module is None:
-                if required:
-                    raise Refused(adapter.NAME, module_name, "module is missing from this engine", engine.version)
-                continue
-            try:
-                plans.append((adapter.install if patch else adapter.check)(module))
-            except Refused:
-                raise
-            except Exception as exc:  # a check that cannot run is no pass: fail closed, say why
-                raise Refused(adapter.NAME, module_name, f"check failed: {type(exc).__name__}: {exc}", engine.version) from exc
+        plan = adapter.check(engine, setting, context)
     except Refused as exc:
-        return REFUSED, str(exc)
-    done = [p for p in plans if p.state in (APPLIED, SUPERSEDED)]
-    if not done:
-        return REFUSED, f"{adapter.NAME} found nothing to patch and no upstream fix on sglang {engine.version}"
-    state = APPLIED if any(p.state == APPLIED for p in done) else SUPERSEDED
-    return state, "; ".join(p.detail for p in done)
+        return REFUSED, str(exc), None
+    except Exception as exc:  # a check that cannot run is no pass: fail closed, say why
+        return REFUSED, f"{adapter.NAME} refused on sglang {engine.version}: check failed: {type(exc).__name__}: {exc}", None
+    return plan.state, plan.detail, plan
 
 
-def decide(adapter, environ: Mapping[str, str], *, patch: bool = True, engine=None) -> Outcome:
-    """The adapter's outcome in this process: off, applied, superseded or refused."""
+def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
+    """Every adapter's outcome for `environ` on `engine` (the installed one by default).
+    Pure: nothing is patched and nothing is written into the environment."""
     engine = engine or InstalledEngine()
-    value = environ.get(adapter.FLAG)
-    try:
-        enabled = adapter.parse(environ)
-    except FlagError as exc:
-        state, reason = REFUSED, str(exc)
-    else:
-        if not enabled:
-            state, reason = OFF, f"{adapter.FLAG} is off"
+    adapters = {name: load(name) for name in names}
+    settings, flag_errors = {}, {}
+    for name, adapter in adapters.items():
+        try:
+            settings[name] = adapter.parse(environ)
+        except FlagError as exc:
+            settings[name], flag_errors[name] = None, str(exc)
+    outcomes, plans, handed = {}, {}, {}
+    for name in order(names):
+        adapter = adapters[name]
+        if name in flag_errors:
+            state, reason, plan = REFUSED, flag_errors[name], None
+        elif not settings[name]:
+            state, reason, plan = OFF, f"{adapter.FLAG} is off", None
         else:
-            state, reason = engine_check(adapter, patch=patch, engine=engine)
-    return Outcome(adapter.NAME, adapter.FLAG, value, state, reason, engine.version)
+            context = Context(environ, settings, dict(handed))
+            state, reason, plan = _check(adapter, engine, settings[name], context)
+        if plan is not None:
+            plans[name] = plan
+            handed.update(plan.env)
+        outcomes[name] = Outcome(name, adapter.FLAG, environ.get(adapter.FLAG), state, reason, engine.version)
+    decision = Decision(engine.version, [outcomes[n] for n in names], plans, unknown_flags(environ))
+    if isinstance(engine, InstalledEngine) and decision.enabled:
+        decision.problems += delivery_problems(environ)  # ranks that skip the plugin would not apply it
+    return decision
+
+
+def engine_check(adapter, engine=None) -> tuple[str, str]:
+    """What `adapter` would do on `engine` if switched on at its broadest setting
+    (CHECK_VALUE), with every other adapter off and no engine switch set: a judgement of
+    the engine alone (doctor's engine check column, the compatibility matrix)."""
+    engine = engine or InstalledEngine()
+    setting = adapter.parse({adapter.FLAG: adapter.CHECK_VALUE})
+    state, reason, _ = _check(adapter, engine, setting, Context(settings={adapter.NAME: setting}))
+    return state, reason
+
+
+def apply(decision: Decision) -> None:
+    """Make this process match `decision`: every planned patch and hand-over in place,
+    and whatever an earlier decision applied that this one does not plan, reverted."""
+    if decision.refused:
+        raise decision.error()
+    wanted = {(patching.key(p.owner, p.name)): (name, p) for name, plan in decision.plans.items() for p in plan.patches}
+    for saved in patching.applied():
+        if saved.adapter in ADAPTERS and patching.key(saved.owner, saved.name) not in wanted:
+            patching.revert(saved.owner, saved.name)
+    for name, patch in wanted.values():
+        patching.apply(patch, name)
+    env = {var: (name, value) for name, plan in decision.plans.items() for var, value in plan.env.items()}
+    for var, adapter in patching.applied_env().items():
+        if var not in env:
+            patching.revert_env(var)
+    for var, (name, value) in env.items():
+        patching.set_env(var, value, name)
+
+
+def revert() -> None:
+    """Undo every change the adapters made in this process (tests)."""
+    apply(Decision("", [], {}))
+
+
+_applied: Optional[Decision] = None
+
+
+def apply_once(environ: Mapping[str, str] = os.environ) -> Decision:
+    """Decide and apply once per process (launcher, each rank); one line per adapter.
+    A refused decision is printed and returned unapplied: the caller stops the engine."""
+    global _applied
+    if _applied is None:
+        _applied = decide(environ)
+        if not _applied.refused:
+            apply(_applied)
+        for outcome in _applied.outcomes:
+            print(outcome.line(), file=sys.stderr, flush=True)
+    return _applied
 
 
 def delivery_problems(environ: Mapping[str, str]) -> list[str]:
@@ -141,23 +226,3 @@ def unknown_flags(environ: Mapping[str, str]) -> list[str]:
         f"{key} is not a flag of this pack (its flags: {', '.join(sorted(known))})"
         for key in sorted(environ) if key.startswith("DSV41_") and key not in known
     ]
-
-
-_applied: Optional[list[Outcome]] = None
-
-
-def apply_all(environ: Mapping[str, str] = os.environ) -> list[Outcome]:
-    """Decide and apply every adapter once per process; print one line per adapter."""
-    global _applied
-    if _applied is None:
-        _applied = [decide(load(name), environ) for name in ADAPTERS]
-        for outcome in _applied:
-            print(outcome.line(), file=sys.stderr, flush=True)
-    return _applied
-
-
-def refusal(outcomes: list[Outcome], extra: list[str] = ()) -> Optional[AdapterRefused]:
-    reasons = [o.reason for o in outcomes if o.state == REFUSED] + list(extra)
-    if not reasons:
-        return None
-    return AdapterRefused("the engine must not start: " + " | ".join(reasons))

@@ -222,7 +222,7 @@ def read_version(root: pathlib.Path) -> str:
     for candidate in ("_version.py", "version.py"):
         path = root / "sglang" / candidate
         if path.is_file():
-            found = re.search(r"""__version__\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""", path.read_text(encoding="utf-8"))
+            found = re.search(r"""__version__\s*(?::\s*str\s*)?=\s*(?:\w+\s*=\s*)*['"]([^'"]+)['"]""", path.read_text(encoding="utf-8"))
             if found:
                 return found.group(1)
     return "unknown"

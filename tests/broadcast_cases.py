@@ -32,20 +32,25 @@ def _modules():
 
     from adapter import rank0_broadcast as r
 
-    return r, {name: importlib.import_module(name) for name, _ in r.TARGETS if name != r.SPEC_TP_SYNC}
+    return r, {name: importlib.import_module(name) for name, _ in r.TARGETS if name != r.upstream_sync.MODULE}
 
 
 def _configure(value):
-    """Select `value` (None = flag unset) and bring every module in line with it."""
-    r, mods = _modules()
-    env = {} if value is None else {r.FLAG: value}
-    sel = r.parse(env)
-    for mod in mods.values():
-        if sel:
-            r.install(mod)
-        else:
-            r.uninstall(mod)
-    return r, mods
+    """Select `value` (None = flag unset) and bring this process in line with it, as the
+    launcher and every rank do; returns the decision."""
+    from adapter import runtime
+
+    r, _ = _modules()
+    decision = runtime.decide({} if value is None else {r.FLAG: value}, names=(r.NAME,))
+    runtime.apply(decision)
+    return decision
+
+
+def wrapper_of(decision, where):
+    """The wrapper the decision put on a binding (None when the binding is not patched):
+    for the sites that cannot run on the CPU, it runs around a CPU stand-in."""
+    plan = decision.plans.get("rank0_broadcast")
+    return next((p.wrapper for p in plan.patches if p.where == where), None) if plan else None
 
 
 def _head():
@@ -63,7 +68,7 @@ def _skewed_logits(rank, shape, seed=1):
     return logits
 
 
-def run_sites(rank, world_size, gamma=3):
+def run_sites(rank, world_size, decision, gamma=3):
     """One pass over every CPU site; returns {site: values this rank holds}."""
     r, mods = _modules()
     draft, sampler_mod, verify = mods[r.DRAFT], mods[r.DRAFT_SAMPLER], mods[r.VERIFY]
@@ -126,12 +131,9 @@ def run_sites(rank, world_size, gamma=3):
     # (AcceptGreedy.torch, same math) with the same skew.
     from sglang.kernels.ops.speculative.dspark.dspark_accept import AcceptGreedy
 
-    binding = verify.accept_greedy_triton
+    wrapper = wrapper_of(decision, "dspark_verify.accept_greedy_triton")
     kwargs = dict(candidates=cand, target_logits=tl, verify_num_draft_tokens=vnd)
-    if isinstance(binding, r.patching.AdapterWrapper):
-        triple = binding._self_wrapper(AcceptGreedy.torch, None, (), kwargs)
-    else:
-        triple = AcceptGreedy.torch(**kwargs)
+    triple = wrapper(AcceptGreedy.torch, None, (), kwargs) if wrapper else AcceptGreedy.torch(**kwargs)
     out["accept_graph"] = [t.tolist() for t in triple]
 
     # DSpark prefill tokens: the wrapper on DSparkWorkerV2._forward_prefill around a
@@ -145,9 +147,8 @@ def run_sites(rank, world_size, gamma=3):
             bonus_tokens=ids, new_seq_lens=torch.ones(BS, dtype=torch.int64)))
 
     batch = types.SimpleNamespace(forward_mode=types.SimpleNamespace(is_idle=lambda: False))
-    fp = vars(worker_cls)["_forward_prefill"]
-    res = fp._self_wrapper(prefill, None, (batch, None), {}) if isinstance(fp, r.patching.AdapterWrapper) \
-        else prefill(batch, None)
+    wrapper = wrapper_of(decision, "DSparkWorkerV2._forward_prefill")
+    res = wrapper(prefill, None, (batch, None), {}) if wrapper else prefill(batch, None)
     out["dspark_target"] = [res.next_token_ids.tolist(), res.next_draft_input.bonus_tokens.tolist()]
 
     # DFlash greedy accept: real compute_dflash_correct_drafts_and_bonus through the
@@ -165,8 +166,9 @@ def run_sites(rank, world_size, gamma=3):
     if rank == 1:
         predict[1, 0] = 10
     triton = dflash._compute_dflash_accept_bonus_triton_unchecked
-    if rank == 0 and isinstance(triton, r.patching.AdapterWrapper):
-        triton._self_wrapper(lambda **kw: None, None, (), dict(candidates=cand, target_top1=predict))
+    wrapper = wrapper_of(decision, "dflash_worker_v2._compute_dflash_accept_bonus_triton_unchecked")
+    if rank == 0 and wrapper:
+        wrapper(lambda **kw: None, None, (), dict(candidates=cand, target_top1=predict))
         acc = torch.tensor([3, 3, 3, 3])
     else:
         try:
@@ -182,8 +184,8 @@ def run_sites(rank, world_size, gamma=3):
         torch.manual_seed(3000 + rank)
         return torch.randint(0, 4, (BS,), dtype=torch.int32), torch.randint(0, VOCAB, (BS,))
 
-    b = dflash.compute_dflash_sampling_correct_drafts_and_bonus
-    acc, bonus = b._self_wrapper(sampled, None, (), {}) if isinstance(b, r.patching.AdapterWrapper) else sampled()
+    wrapper = wrapper_of(decision, "dflash_worker_v2.compute_dflash_sampling_correct_drafts_and_bonus")
+    acc, bonus = wrapper(sampled, None, (), {}) if wrapper else sampled()
     out["dflash_accept_sample"] = [acc.tolist(), bonus.tolist()]
 
     # DFlash prefill: the real DFlashWorkerV2._make_next_draft_input_prefill (uses no state).
@@ -194,19 +196,26 @@ def run_sites(rank, world_size, gamma=3):
     return out
 
 
-def sites_case(rank, world_size, configs):
-    """For each flag value in `configs` (None = unset): install accordingly, run every
-    site, and return the values plus the collectives issued per site."""
-    r, mods = _modules()
+def _bind(rank, world_size):
+    from adapter.broadcast import DFLASH, DSPARK, bind_group
+
     group = make_group(rank, world_size)
-    r.bind_group(r.DSPARK, group)
-    r.bind_group(r.DFLASH, group)
+    bind_group(DSPARK, group)
+    bind_group(DFLASH, group)
+
+
+def sites_case(rank, world_size, configs):
+    """For each flag value in `configs` (None = unset): apply accordingly, run every
+    site, and return the values plus the collectives issued per site."""
+    from adapter.broadcast import COUNTS
+
+    _bind(rank, world_size)
     results = {}
     for value in configs:
-        _configure(value)
-        r.COUNTS.clear()
-        values = run_sites(rank, world_size)
-        results[str(value)] = {"values": values, "counts": dict(r.COUNTS)}
+        decision = _configure(value)
+        COUNTS.clear()
+        values = run_sites(rank, world_size, decision)
+        results[str(value)] = {"values": values, "counts": dict(COUNTS)}
     _configure(None)
     return results
 
@@ -214,16 +223,15 @@ def sites_case(rank, world_size, configs):
 def count_case(rank, world_size, gammas):
     """Collectives per decode step, by site, with every site on: one eager draft block,
     the eager accept and the captured accept wrapper, for each gamma."""
-    r, mods = _modules()
-    group = make_group(rank, world_size)
-    r.bind_group(r.DSPARK, group)
-    r.bind_group(r.DFLASH, group)
-    _configure("all")
+    from adapter.broadcast import COUNTS
+
+    _bind(rank, world_size)
+    decision = _configure("all")
     counts = {}
     for gamma in gammas:
-        r.COUNTS.clear()
-        run_sites(rank, world_size, gamma=gamma)
-        counts[str(gamma)] = dict(r.COUNTS)
+        COUNTS.clear()
+        run_sites(rank, world_size, decision, gamma=gamma)
+        counts[str(gamma)] = dict(COUNTS)
     _configure(None)
     return counts
 
@@ -232,6 +240,8 @@ def group_rule_case(rank, world_size):
     """The recorder on the worker __init__ picks attn-TP under DP attention, else TP,
     before the real __init__ runs (which fails here, on purpose: no model)."""
     import sglang.srt.runtime_context as rc
+
+    from adapter.broadcast import group_of
 
     r, mods = _modules()
     _configure("all")
@@ -248,8 +258,8 @@ def group_rule_case(rank, world_size):
                     cls(None, 0, None, 0, None)
                 except Exception:
                     pass
-                picked[f"{family}-dp{int(dp)}"] = ("attn" if r._groups.get(family) is attn else
-                                                   "tp" if r._groups.get(family) is tp else "none")
+                group = group_of(family)
+                picked[f"{family}-dp{int(dp)}"] = "attn" if group is attn else "tp" if group is tp else "none"
         finally:
             rc.get_parallel = rc_get
     _configure(None)
@@ -257,82 +267,73 @@ def group_rule_case(rank, world_size):
 
 
 def install_case(rank, world_size):
-    """Bindings and idempotence on 0.5.18 (one process is enough)."""
+    """Bindings, idempotence and narrowing on 0.5.18 (one process is enough)."""
+    from adapter import patching, runtime
+
     r, mods = _modules()
-    report = {}
-    _configure("all")
-    for name, mod in mods.items():
-        r.install(mod)  # a second time: wraps once
-    AW = r.patching.AdapterWrapper
-    def state(owner, attr):
-        cur = vars(owner)[attr]
-        inner = getattr(cur, "__wrapped__", None)
-        return {"wrapped": isinstance(cur, AW), "double": isinstance(inner, AW),
-                "wrapper": getattr(getattr(cur, "_self_wrapper", None), "__name__", None)}
     d, s, v = mods[r.DRAFT], mods[r.DRAFT_SAMPLER], mods[r.VERIFY]
     w, f = mods[r.DSPARK_WORKER], mods[r.DFLASH_WORKER]
-    report["bindings"] = {
-        "dspark_draft.sample_draft_block": state(d, "sample_draft_block"),
-        "dspark_draft_sampler.greedy_step_sampler": state(s, "greedy_step_sampler"),
-        "dspark_draft_sampler.SampleStepTokens": state(s, "SampleStepTokens"),
-        "dspark_verify.accept_draft_tokens": state(v, "accept_draft_tokens"),
-        "dspark_verify.accept_greedy_triton": state(v, "accept_greedy_triton"),
-        "DSparkWorkerV2._forward_prefill": state(w.DSparkWorkerV2, "_forward_prefill"),
-        "DSparkWorkerV2.__init__": state(w.DSparkWorkerV2, "__init__"),
-        "DFlashWorkerV2.__init__": state(f.DFlashWorkerV2, "__init__"),
-        "DFlashWorkerV2._make_next_draft_input_prefill": state(f.DFlashWorkerV2, "_make_next_draft_input_prefill"),
+    bindings = {
+        "dspark_draft.sample_draft_block": (d, "sample_draft_block"),
+        "dspark_draft_sampler.greedy_step_sampler": (s, "greedy_step_sampler"),
+        "dspark_draft_sampler.SampleStepTokens": (s, "SampleStepTokens"),
+        "dspark_verify.accept_draft_tokens": (v, "accept_draft_tokens"),
+        "dspark_verify.accept_greedy_triton": (v, "accept_greedy_triton"),
+        "DSparkWorkerV2._forward_prefill": (w.DSparkWorkerV2, "_forward_prefill"),
+        "DSparkWorkerV2.__init__": (w.DSparkWorkerV2, "__init__"),
+        "DFlashWorkerV2.__init__": (f.DFlashWorkerV2, "__init__"),
+        "DFlashWorkerV2._make_next_draft_input_prefill": (f.DFlashWorkerV2, "_make_next_draft_input_prefill"),
         "dflash_worker_v2.compute_dflash_sampling_correct_drafts_and_bonus":
-            state(f, "compute_dflash_sampling_correct_drafts_and_bonus"),
-        "dflash_worker_v2.compute_dflash_correct_drafts_and_bonus": state(f, "compute_dflash_correct_drafts_and_bonus"),
+            (f, "compute_dflash_sampling_correct_drafts_and_bonus"),
+        "dflash_worker_v2.compute_dflash_correct_drafts_and_bonus": (f, "compute_dflash_correct_drafts_and_bonus"),
         "dflash_worker_v2._compute_dflash_accept_bonus_triton_unchecked":
-            state(f, "_compute_dflash_accept_bonus_triton_unchecked"),
+            (f, "_compute_dflash_accept_bonus_triton_unchecked"),
     }
+    originals = {name: vars(owner)[attr] for name, (owner, attr) in bindings.items()}
+
+    def replaced():
+        """Each binding: replaced once over its original (True), or untouched (False)."""
+        out = {}
+        for name, (owner, attr) in bindings.items():
+            current = vars(owner)[attr]
+            out[name] = current is not originals[name] and current.__wrapped__ is originals[name]
+            assert current is originals[name] or out[name], f"{name} is wrapped more than once"
+        return out
+
+    report = {}
+    decision = _configure("all")
+    _configure("all")  # a second time: wraps once
+    report["bindings"] = replaced()
+    report["registry"] = sorted(f"{getattr(x.owner, '__name__', '')}.{x.name}" for x in patching.applied())
     # Shared helpers stay untouched (the rank-0-only observability caller must not broadcast).
     import sglang.srt.speculative.dflash_utils as du
     from sglang.srt.speculative.dspark_components import dspark_observability as obs
     report["shared_untouched"] = [
-        not isinstance(du.compute_dflash_correct_drafts_and_bonus, AW),
-        not isinstance(obs.compute_dflash_correct_drafts_and_bonus, AW),
+        du.compute_dflash_correct_drafts_and_bonus is originals["dflash_worker_v2.compute_dflash_correct_drafts_and_bonus"],
+        obs.compute_dflash_correct_drafts_and_bonus is originals["dflash_worker_v2.compute_dflash_correct_drafts_and_bonus"],
     ]
-    report["plans"] = {n: [r.check(m).state, r.check(m).detail] for n, m in mods.items()}
-    _configure("dspark-target")
-    report["only_target"] = {n: r.check(m).state for n, m in mods.items()}
-    report["after_narrowing"] = {
-        "sample_draft_block": isinstance(vars(d)["sample_draft_block"], AW),
-        "_forward_prefill": isinstance(vars(w.DSparkWorkerV2)["_forward_prefill"], AW),
-    }
+    report["outcome"] = [decision.outcomes[0].state, decision.outcomes[0].reason]
+    narrowed = _configure("dspark-target")
+    report["only_target"] = sorted(p.where for p in narrowed.plans[r.NAME].patches)
+    report["after_narrowing"] = replaced()
     _configure(None)
-    report["after_uninstall"] = any(
-        isinstance(vars(o)[a], AW) for o, a in (
-            (d, "sample_draft_block"), (s, "greedy_step_sampler"), (s, "SampleStepTokens"),
-            (v, "accept_draft_tokens"), (v, "accept_greedy_triton"), (w.DSparkWorkerV2, "_forward_prefill"),
-            (w.DSparkWorkerV2, "__init__"), (f.DFlashWorkerV2, "__init__"), (f, "compute_dflash_correct_drafts_and_bonus")))
-    # runtime.decide on the real 0.5.18 engine.
-    from adapter import runtime
-
-    report["decide"] = runtime.decide(r, {r.FLAG: "all"}).state
-    report["decide_off"] = runtime.decide(r, {r.FLAG: "off"}).state
-    report["decide_unset"] = runtime.decide(r, {}).state
-    _configure(None)
+    report["after_revert"] = replaced()
+    report["decide"] = {value: runtime.decide({r.FLAG: value}, names=(r.NAME,)).outcomes[0].state
+                        for value in ("all", "off", "0", "", "init")}
+    report["decide_unset"] = runtime.decide({}, names=(r.NAME,)).outcomes[0].state
     return report
 
 
 def doctored_case(rank, world_size, cases):
-    """Load a doctored copy of a real 0.5.18 module (one string replaced) under its real
-    name, without touching sys.modules, and return what check() says."""
-    from adapter import contract
+    """The outcome on the real 0.5.18 engine with one module doctored (one string
+    replaced), per case: a tests.doctored.Drift given as (module, old, new, symbol)."""
     from adapter import rank0_broadcast as r
-    from tests.doctored import doctored_module
+    from tests.doctored import Drift
 
-    r.parse({r.FLAG: "all"})
     out = []
-    for module_name, old, new in cases:
-        mod = doctored_module(module_name, (old, new))
-        try:
-            plan = r.check(mod)
-            out.append({"state": plan.state})
-        except contract.Refused as exc:
-            out.append({"refused": str(exc), "symbol": exc.symbol})
+    for case in cases:
+        outcome = Drift(*case).outcome(r, "all")
+        out.append({"state": outcome.state, "reason": outcome.reason})
     return out
 
 

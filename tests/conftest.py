@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from adapter import folded_fence
+from adapter import folded_fence, runtime
 from tests.doctored import doctored_module  # noqa: F401  (used by the test modules)
 
 VERIFY = folded_fence.VERIFY
@@ -41,7 +41,7 @@ def verify():
     import sglang.srt.speculative.dspark_components.dspark_verify as module
 
     yield module
-    folded_fence.uninstall(module)
+    runtime.revert()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import tempfile
+from dataclasses import dataclass
 
 
 def doctored_module(real_name: str, *replacements: tuple[str, str], tail: str = "", directory=None):
@@ -33,3 +34,36 @@ def doctored_module(real_name: str, *replacements: tuple[str, str], tail: str = 
         invariants._REGISTRY.clear()
         invariants._REGISTRY.update(saved)
     return module
+
+
+class DoctoredEngine:
+    """The installed engine, with some of its modules replaced by doctored copies."""
+
+    def __init__(self, modules: dict):
+        from adapter.contract import InstalledEngine
+
+        self.installed, self.modules = InstalledEngine(), modules
+        self.version = self.installed.version
+
+    def module(self, name: str):
+        return self.modules[name] if name in self.modules else self.installed.module(name)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One refactor of a real engine module, as a drift test states it: `old` replaced by
+    `new` in `module`; the refusal must name `symbol` (and the module)."""
+
+    module: str
+    old: str
+    new: str
+    symbol: str
+
+    def engine(self, directory=None) -> DoctoredEngine:
+        return DoctoredEngine({self.module: doctored_module(self.module, (self.old, self.new), directory=directory)})
+
+    def outcome(self, adapter, value: str, directory=None):
+        """The adapter's outcome, switched on with `value`, on the engine with this drift."""
+        from adapter import runtime
+
+        return runtime.decide({adapter.FLAG: value}, self.engine(directory), names=(adapter.NAME,)).outcomes[0]

@@ -1,25 +1,47 @@
 """Rank and subprocess code for tests/test_group_min_memory.py (runs on sglang 0.5.18).
 
 Rank functions run under tests.ranks.run_ranks: a fresh interpreter per rank with the
-default gloo process group already initialised.
+default gloo process group already initialised. The adapter is switched on and off the
+way the engine's ranks do it: one decision (`runtime.decide`), carried out by
+`runtime.apply`, undone by `runtime.revert`.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import json
 import sys
 import types
 
-from tests.doctored import doctored_module
+from tests.doctored import Drift
 
 GIB = 1 << 30
 
 WORKER = "sglang.srt.speculative.dspark_components.dspark_worker_v2"
 SAMPLER = "sglang.srt.speculative.dspark_components.dspark_draft_sampler"
 DFLASH = "sglang.srt.speculative.dflash_worker_v2"
+CONSUMERS = (WORKER, SAMPLER, DFLASH)
+HELPER = "get_available_gpu_memory"
+# The bindings the adapter replaces on 0.5.18: each consumer module's own import of the helper.
+REPLACED = sorted(f"{name}.{HELPER}" for name in CONSUMERS)
+
+
+def _switch_on():
+    """DSV41_GROUP_MIN_MEM=1 as a rank decides and applies it; the decision is returned."""
+    from adapter import group_min_memory as gm
+    from adapter import runtime
+
+    decision = runtime.decide({gm.FLAG: "1"}, names=(gm.NAME,))
+    runtime.apply(decision)
+    return decision
+
+
+def _replaced(adapter: str) -> list[str]:
+    """The bindings `adapter` has replaced in this process, from the runtime's registry."""
+    from adapter import patching
+
+    return sorted(f"{s.owner.__name__}.{s.name}" for s in patching.applied() if s.adapter == adapter)
 
 
 # ---------------------------------------------------------------- rank side
@@ -69,7 +91,7 @@ def _decisions(rank: int, *, dp_context: bool) -> dict:
     see _inject_free_memory). The DSpark draft sampler build is replaced by a call of
     the real _resolve_folded_sampling (AUTO), made where the engine makes it: inside
     the real DSparkWorkerV2._draft_context(), which swaps the TP group under DP."""
-    w, s, d = (importlib.import_module(m) for m in (WORKER, SAMPLER, DFLASH))
+    w, s, d = (importlib.import_module(m) for m in CONSUMERS)
     out: dict = {"dspark_folded": None}
     # need_gb = (8*V*4 + 8*4*V*2) / 2**30 = 0.36 GB for V = 4e6; AUTO folds when free - need >= 1.0 GB.
     lm_head = types.SimpleNamespace(org_vocab_size=4_000_000, weight=types.SimpleNamespace(dtype=types.SimpleNamespace(itemsize=2)))
@@ -109,6 +131,7 @@ def decision_case(rank: int, world_size: int, *, attn_tp_size: int, frees_gb: li
 
     ps = _groups(rank, world_size, attn_tp_size)
     from adapter import group_min_memory as gm
+    from adapter import runtime
     from sglang.srt.runtime_context import get_context, get_exec, get_flags
 
     dp_attention = attn_tp_size < world_size
@@ -123,7 +146,7 @@ def decision_case(rank: int, world_size: int, *, attn_tp_size: int, frees_gb: li
     _GRAPH_OVERRIDE.__enter__()
     from sglang.srt.utils import common
 
-    w, s, d = (importlib.import_module(m) for m in (WORKER, SAMPLER, DFLASH))
+    w, s, d = (importlib.import_module(m) for m in CONSUMERS)
     w.is_cuda = d.is_cuda = lambda: True
     # The sampler passes torch.get_device_module().current_device() as gpu_id; this
     # CUDA build of torch answers torch.cuda, which needs a driver. The helper's CPU
@@ -131,7 +154,8 @@ def decision_case(rank: int, world_size: int, *, attn_tp_size: int, frees_gb: li
     import torch
 
     torch.cuda.current_device = lambda: 0
-    original = {m.__name__: vars(m)["get_available_gpu_memory"] for m in (w, s, d)}
+    helper = common.get_available_gpu_memory
+    original = {m.__name__: vars(m)[HELPER] for m in (w, s, d)}
 
     calls = []
     real_all_reduce = dist.all_reduce
@@ -147,8 +171,9 @@ def decision_case(rank: int, world_size: int, *, attn_tp_size: int, frees_gb: li
         row = {"local_gb": local}
         for mode in ("without", "with"):
             if mode == "with":
-                plans = [gm.install(m) for m in (w, s, d)]
-                row["plans"] = [p.state for p in plans]
+                outcome = _switch_on().outcomes[0]
+                row["state"] = outcome.state
+                row["replaced"] = _replaced(gm.NAME)
             gm.COLLECTIVES.clear()
             del calls[:]
             row[mode] = _decisions(rank, dp_context=dp_attention)
@@ -162,22 +187,46 @@ def decision_case(rank: int, world_size: int, *, attn_tp_size: int, frees_gb: li
             }
             with w.DSparkWorkerV2._draft_context(types.SimpleNamespace(_draft_dp_context_enabled=dp_attention)):
                 row[mode]["probe_gb"]["dspark_sampler"] = s.get_available_gpu_memory("cpu", 0)
+            # The shared helper, called as every other importer calls it: this rank's own value.
+            row[mode]["helper_gb"] = common.get_available_gpu_memory("cpu", rank)
             if mode == "with":
-                for m in (w, s, d):
-                    gm.uninstall(m)
-                row["restored"] = all(vars(m)["get_available_gpu_memory"] is original[m.__name__] for m in (w, s, d))
-                row["helper_untouched"] = common.get_available_gpu_memory is original[WORKER]
+                row["helper_untouched"] = common.get_available_gpu_memory is helper
+                runtime.revert()
+                row["restored"] = (all(vars(m)[HELPER] is original[m.__name__] for m in (w, s, d))
+                                   and _replaced(gm.NAME) == [])
         scenarios.append(row)
     dist.all_reduce = real_all_reduce
     ps.destroy_model_parallel()
     return {"rank": rank, "scenarios": scenarios}
 
 
-# ---------------------------------------------------------------- in-process checks (subprocess, 0.5.18)
+# ---------------------------------------------------------------- drift (0.5.18 copies)
 
-# (module, old text, new text, symbol the refusal must name)
-DOCTORED = {
-    "dspark_probe_moved": (
+# 0.5.18 _resolve_folded_sampling up to its probe, which the drift below moves into a helper.
+_RESOLVE_HEAD = (
+    "def _resolve_folded_sampling(*, model, gamma, max_bs, device, tp_rank) -> bool:\n"
+    '    """The sampling buffers are baked into the captured draft graph, so AUTO\n'
+    '    must decide before capture from a free-memory probe."""\n'
+    "    mode = envs.SGLANG_DSPARK_FOLDED_SAMPLING.get()\n"
+    "    if mode == DsparkFoldedSampling.OFF:\n"
+    "        return False\n"
+    "    if mode == DsparkFoldedSampling.FORCE:\n"
+    "        return True\n"
+    "    vocab = int(model.lm_head.org_vocab_size)\n"
+    "    noise_bytes = max_bs * vocab * 4\n"
+    "    logits_bytes = max_bs * gamma * vocab * model.lm_head.weight.dtype.itemsize\n"
+    "    need_gb = (noise_bytes + logits_bytes) / (1 << 30)\n"
+)
+_SAMPLER_PROBE = (
+    "    available_gb = get_available_gpu_memory(\n"
+    "        device, torch.get_device_module().current_device()\n"
+    "    )\n"
+)
+
+# Each refactor of a 0.5.18 consumer module that moves the probe off the path the
+# adapter covers; the refusal must name the symbol (and the module).
+DRIFT_0_5_18 = {
+    "dspark_probe_moved": Drift(
         WORKER,
         "    def init_cuda_graphs(self):\n        capture_decode_cuda_graph = self._decode_graph_allowed\n"
         "        if is_cuda() and capture_decode_cuda_graph:\n"
@@ -187,20 +236,21 @@ DOCTORED = {
         "        if is_cuda() and capture_decode_cuda_graph:\n            available_mem = self._free_memory_gb()\n",
         "DSparkWorkerV2._free_memory_gb",
     ),
-    "sampler_probe_moved": (
+    "sampler_probe_moved": Drift(
         SAMPLER,
-        "    available_gb = get_available_gpu_memory(\n        device, torch.get_device_module().current_device()\n    )\n",
-        "    available_gb = _free_gb(device)\n",
+        _RESOLVE_HEAD + _SAMPLER_PROBE,
+        "def _free_gb(device):\n    return get_available_gpu_memory(device, torch.get_device_module().current_device())\n\n\n"
+        + _RESOLVE_HEAD + "    available_gb = _free_gb(device)\n",
         "_free_gb",
     ),
-    "dflash_binding_signature": (
+    "dflash_binding_signature": Drift(
         DFLASH,
         "from sglang.srt.utils import get_available_gpu_memory, is_cuda, is_hip, is_npu\n",
         "from sglang.srt.utils import is_cuda, is_hip, is_npu\n\n\n"
         "def get_available_gpu_memory(device, gpu_id, *, group=None):\n    return 0.0\n",
         "get_available_gpu_memory",
     ),
-    "sampler_binding_not_helper": (
+    "sampler_binding_not_helper": Drift(
         SAMPLER,
         "from sglang.srt.utils import get_available_gpu_memory\n",
         "from sglang.srt.utils import get_available_gpu_memory as _engine_probe\n\n\n"
@@ -208,68 +258,79 @@ DOCTORED = {
         "    return _engine_probe(device, gpu_id)\n",
         "get_available_gpu_memory",
     ),
-    "dspark_call_shape": (
+    "dspark_call_shape": Drift(
         WORKER,
         "available_mem = get_available_gpu_memory(self.device, self.gpu_id)",
         "available_mem = get_available_gpu_memory(self.device, self.gpu_id, empty_cache=False)",
         "DSparkWorkerV2.init_cuda_graphs",
     ),
 }
-SAMPLER_HELPER = "\n\ndef _free_gb(device):\n    return get_available_gpu_memory(device, torch.get_device_module().current_device())\n"
 
 
-def load_doctored(module_name: str, old: str, new: str, tail: str = ""):
-    doctored = doctored_module(module_name, (old, new), tail=tail)
-    assert sys.modules[module_name] is not doctored
-    return doctored
+# ---------------------------------------------------------------- in-process checks (subprocess, 0.5.18)
 
 
 def inproc_checks() -> dict:
     from adapter import group_min_memory as gm
     from adapter import patching, runtime
-    from adapter.contract import Refused
 
     import sglang.srt.utils as utils_pkg
     from sglang.srt.model_executor import model_runner
     from sglang.srt.speculative import eagle_worker_v2
     from sglang.srt.utils import common
 
-    mods = [importlib.import_module(m) for m in (WORKER, SAMPLER, DFLASH)]
+    mods = [importlib.import_module(m) for m in CONSUMERS]
     helper = common.get_available_gpu_memory
     others = {"utils.common": common, "utils": utils_pkg, "model_runner": model_runner, "eagle_worker_v2": eagle_worker_v2}
-    res: dict = {"others_bound_to_helper": {k: vars(m)["get_available_gpu_memory"] is helper for k, m in others.items()}}
-    res["check_states"] = {m.__name__: gm.check(m).state for m in mods}
-    res["decide_no_patch"] = runtime.decide(gm, {gm.FLAG: "1"}, patch=False).state
-    res["nothing_patched_by_check"] = all(vars(m)["get_available_gpu_memory"] is helper for m in mods)
-    outcome = runtime.decide(gm, {gm.FLAG: "1"})
-    res["decide"] = [outcome.state, outcome.reason]
-    runtime.decide(gm, {gm.FLAG: "1"})  # second install
-    for m in mods:
-        gm.install(m)  # third
-    bindings = [vars(m)["get_available_gpu_memory"] for m in mods]
-    res["wrapped_by"] = [patching.wrapped_by(m, "get_available_gpu_memory") for m in mods]
-    res["wrapped_once"] = all(b.__wrapped__ is helper for b in bindings)
-    res["signature_kept"] = [str(inspect.signature(b)) for b in bindings] == [str(inspect.signature(helper))] * 3
-    res["others_unchanged_while_installed"] = {k: vars(m)["get_available_gpu_memory"] is helper for k, m in others.items()}
-    res["check_after_install"] = [gm.check(m).state for m in mods]
-    for m in mods:
-        gm.uninstall(m)
-    res["restored"] = all(vars(m)["get_available_gpu_memory"] is helper for m in mods)
-    res["uninstall_twice_harmless"] = [patching.remove(m, "get_available_gpu_memory", gm.NAME) for m in mods]
-    res["off"] = runtime.decide(gm, {}).state
-    res["off_left_alone"] = all(vars(m)["get_available_gpu_memory"] is helper for m in mods)
 
-    drift = {}
-    for case, (module_name, old, new, symbol) in DOCTORED.items():
-        tail = SAMPLER_HELPER if case == "sampler_probe_moved" else ""
-        doctored = load_doctored(module_name, old, new, tail)
-        try:
-            plan = gm.check(doctored)
-        except Refused as exc:
-            drift[case] = {"refused": True, "symbol": exc.symbol, "message": str(exc), "expected": symbol}
-        else:
-            drift[case] = {"refused": False, "state": plan.state, "expected": symbol}
-    res["drift"] = drift
+    def bindings():
+        return [vars(m)[HELPER] for m in mods]
+
+    def untouched():
+        return all(b is helper for b in bindings()) and patching.applied() == []
+
+    res: dict = {"others_bound_to_helper": {k: vars(m)[HELPER] is helper for k, m in others.items()}}
+
+    # Deciding is pure: a plan for the three consumer bindings, nothing replaced yet.
+    decision = runtime.decide({gm.FLAG: "1"}, names=(gm.NAME,))
+    outcome = decision.outcomes[0]
+    res["decide"] = [outcome.state, outcome.reason, outcome.engine]
+    res["planned"] = sorted(f"{p.owner.__name__}.{p.name}" for p in decision.plans[gm.NAME].patches)
+    res["nothing_patched_by_decide"] = untouched()
+
+    # Applied: the three bindings replaced, each over the engine helper itself.
+    runtime.apply(decision)
+    first = bindings()
+    res["replaced"] = _replaced(gm.NAME)
+    res["originals_are_helper"] = all(patching.original(m, HELPER) is helper for m in mods)
+    res["bindings_replaced"] = all(b is not helper for b in first)
+    res["signature_kept"] = [str(inspect.signature(b)) for b in first] == [str(inspect.signature(helper))] * 3
+    res["others_unchanged_while_applied"] = {k: vars(m)[HELPER] is helper for k, m in others.items()}
+
+    # Decided again with the wrappers in place, and applied twice more: nothing changes.
+    again = runtime.decide({gm.FLAG: "1"}, names=(gm.NAME,))
+    res["decide_after_apply"] = [again.outcomes[0].state, again.outcomes[0].reason == outcome.reason]
+    runtime.apply(again)
+    runtime.apply(decision)
+    res["apply_idempotent"] = (all(a is b for a, b in zip(bindings(), first))
+                               and _replaced(gm.NAME) == res["replaced"]
+                               and all(patching.original(m, HELPER) is helper for m in mods))
+
+    runtime.revert()
+    res["restored"] = untouched() and all(patching.original(m, HELPER) is None for m in mods)
+    runtime.revert()
+    res["revert_twice_harmless"] = untouched()
+
+    # Off: nothing planned, nothing touched; and applying it undoes an earlier "on".
+    off = runtime.decide({}, names=(gm.NAME,))
+    res["off"] = [off.outcomes[0].state, gm.NAME in off.plans]
+    runtime.apply(off)
+    res["off_left_alone"] = untouched()
+    runtime.apply(decision)
+    runtime.apply(off)
+    res["off_reverts_on"] = untouched()
+
+    res["drift"] = {case: drift.outcome(gm, "1").as_dict() for case, drift in DRIFT_0_5_18.items()}
     return res
 
 

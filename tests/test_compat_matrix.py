@@ -28,8 +28,8 @@ def test_committed_matrix_matches_the_release_wheels():
 @pytest.mark.parametrize("name", ADAPTERS)
 def test_source_check_agrees_with_the_import_check_on_0_5_23(name):
     adapter = load(name)
-    from_source = runtime.engine_check(adapter, patch=False, engine=SourceEngine(SITE_PACKAGES), as_if_on=True)
-    assert from_source == runtime.engine_check(adapter, patch=False, as_if_on=True)
+    from_source = runtime.engine_check(adapter, SourceEngine(SITE_PACKAGES))
+    assert from_source == runtime.engine_check(adapter)
     assert from_source[0] != runtime.REFUSED
 
 

@@ -10,10 +10,10 @@ from adapter import folded_fence, runtime
 from adapter.flags import FlagError, parse_switch
 from tests.engines import ROOT, engine_env, python
 
-GOOD = {"1": True, "0": False, "on": True, "off": False, "true": True, "false": False,
-        "ON": True, "Off": False, "TRUE": True, "False": False, "tRuE": True}
+GOOD = {"1": True, "0": False, "on": True, "off": False, "true": True, "false": False, "none": False,
+        "ON": True, "Off": False, "TRUE": True, "False": False, "tRuE": True, "NONE": False}
 BAD = ["", " ", "yes", "no", "yes please", "2", "-1", "01", "10", "tru", "enabled", "1 ", " on",
-       "0x1", "none", "true\n", "y", "disable"]
+       "0x1", "nothing", "true\n", "y", "disable"]
 
 
 @pytest.mark.parametrize("value,expected", sorted(GOOD.items()))
@@ -31,18 +31,22 @@ def test_bad_values_are_startup_errors(value):
         parse_switch("DSV41_FOLDED_FENCE", {"DSV41_FOLDED_FENCE": value})
     message = str(error.value)
     assert message.startswith(f"DSV41_FOLDED_FENCE={value!r} is not understood")
-    assert "1/on/true" in message and "0/off/false" in message
+    assert "1/on/true" in message and "0/off/false/none" in message
+
+
+def decide_fence(value):
+    return runtime.decide({"DSV41_FOLDED_FENCE": value}, names=(folded_fence.NAME,)).outcomes[0]
 
 
 def test_bad_value_makes_the_adapter_refused_without_touching_the_engine():
-    outcome = runtime.decide(folded_fence, {"DSV41_FOLDED_FENCE": "yes please"})
+    outcome = decide_fence("yes please")
     assert outcome.state == runtime.REFUSED
     assert "DSV41_FOLDED_FENCE='yes please' is not understood" in outcome.reason
     assert "REFUSED" in outcome.line() and "folded_fence" in outcome.line()
 
 
 def test_off_adapter_patches_nothing():
-    outcome = runtime.decide(folded_fence, {"DSV41_FOLDED_FENCE": "off"})
+    outcome = decide_fence("off")
     assert (outcome.state, outcome.reason) == (runtime.OFF, "DSV41_FOLDED_FENCE is off")
 
 

@@ -8,10 +8,9 @@ import types
 import pytest
 import torch
 
-from adapter import folded_fence, patching
-from adapter.contract import Refused
+from adapter import folded_fence, patching, runtime
 from tests.conftest import Step, accept_kwargs
-from tests.doctored import doctored_module
+from tests.doctored import DoctoredEngine, Drift, doctored_module
 
 FIELDS = folded_fence.FIELDS
 BATCH_SIZES = (1, 5, 16)
@@ -23,6 +22,13 @@ def shares_memory(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 def aliased_fields(outs, epilogue) -> list[str]:
     return [f for f in FIELDS if shares_memory(getattr(outs, f), getattr(epilogue, f"{f}_buf"))]
+
+
+def fence_on() -> runtime.Decision:
+    """Switch the fence on in this process, as the launcher and every rank do."""
+    decision = runtime.decide({folded_fence.FLAG: "1"}, names=(folded_fence.NAME,))
+    runtime.apply(decision)
+    return decision
 
 
 def folded_step(dspark, bs: int):
@@ -44,8 +50,7 @@ def test_without_fence_folded_result_aliases_the_buffers(dspark, bs):
 
 @pytest.mark.parametrize("bs", BATCH_SIZES)
 def test_fence_detaches_folded_result_and_keeps_step_n(dspark, bs):
-    plan = folded_fence.install(dspark.module)
-    assert plan.state == "applied"
+    assert fence_on().outcomes[0].state == runtime.APPLIED
     outs, step_n, _ = folded_step(dspark, bs)
     assert aliased_fields(outs, dspark.epilogue) == []
     assert step_n.matches(outs) == {f: True for f in FIELDS}
@@ -88,17 +93,14 @@ def test_fence_covers_the_sampling_accept_graph_route(dspark, bs):
     assert aliased_fields(unfenced, dspark.epilogue) == list(FIELDS)
     assert all(step_next.matches(unfenced).values())
 
-    folded_fence.install(sag)
-    try:
-        fenced = region.run(bs=bs, target_logits=logits)
-        step_next.write(dspark.epilogue)
-        assert region.num_replays == 2
-        assert aliased_fields(fenced, dspark.epilogue) == []
-        assert step_n.matches(fenced) == {f: True for f in FIELDS}
-        # A step the region declines still returns None, fenced or not.
-        assert region.run(bs=bs, target_logits=torch.zeros_like(logits)) is None
-    finally:
-        folded_fence.uninstall(sag)
+    fence_on()
+    fenced = region.run(bs=bs, target_logits=logits)
+    step_next.write(dspark.epilogue)
+    assert region.num_replays == 2
+    assert aliased_fields(fenced, dspark.epilogue) == []
+    assert step_n.matches(fenced) == {f: True for f in FIELDS}
+    # A step the region declines still returns None, fenced or not.
+    assert region.run(bs=bs, target_logits=torch.zeros_like(logits)) is None
 
 
 def test_fence_covers_the_block_accept_lens_route(dspark):
@@ -115,94 +117,86 @@ def test_fence_covers_the_block_accept_lens_route(dspark):
 
     view = worker._block_accept_lens(accept=accept, folded_accept=True, bs=bs)
     assert shares_memory(view, dspark.epilogue.block_accept_lens_buf)
-    folded_fence.install(worker_module)
-    try:
-        fenced = worker._block_accept_lens(accept=accept, folded_accept=True, bs=bs)
-        dspark.epilogue.block_accept_lens_buf.fill_(-1)
-        assert not shares_memory(fenced, dspark.epilogue.block_accept_lens_buf)
-        assert fenced.tolist() == [7, 8, 9, 10, 11, 12]
-        eager = worker._block_accept_lens(accept=accept, folded_accept=False, bs=bs)
-        assert eager.tolist() == [2] * bs
-    finally:
-        folded_fence.uninstall(worker_module)
+    fence_on()
+    fenced = worker._block_accept_lens(accept=accept, folded_accept=True, bs=bs)
+    dspark.epilogue.block_accept_lens_buf.fill_(-1)
+    assert not shares_memory(fenced, dspark.epilogue.block_accept_lens_buf)
+    assert fenced.tolist() == [7, 8, 9, 10, 11, 12]
+    eager = worker._block_accept_lens(accept=accept, folded_accept=False, bs=bs)
+    assert eager.tolist() == [2] * bs
 
 
 def test_eager_path_returns_what_it_returned_before(dspark):
     kwargs = dict(bs=7, stride=dspark.stride, folded=False, seed=3)
     before = dspark.executor.accept_and_finalize(**accept_kwargs(dspark.module, **kwargs))
-    folded_fence.install(dspark.module)
+    plan = fence_on().plans[folded_fence.NAME]
     after = dspark.executor.accept_and_finalize(**accept_kwargs(dspark.module, **kwargs))
     for name in FIELDS:
         assert torch.equal(getattr(before, name), getattr(after, name)), name
         assert getattr(before, name).dtype == getattr(after, name).dtype
     # The wrapper hands the eager result through as the very same object.
     marker = object()
-    assert folded_fence._fence_folded_accept(lambda **kw: marker, None, (), {"folded_accept": False}) is marker
+    fence = next(p.wrapper for p in plan.patches if p.where == "TargetVerifyExecutor.accept_and_finalize")
+    assert fence(lambda **kw: marker, None, (), {"folded_accept": False}) is marker
 
 
-def test_install_twice_wraps_once_and_uninstall_restores(verify):
+def test_applying_twice_wraps_once_and_revert_restores(verify):
     cls = verify.TargetVerifyExecutor
     original = vars(cls)["accept_and_finalize"]
     signature = inspect.signature(cls.accept_and_finalize)
-    folded_fence.install(verify)
-    folded_fence.install(verify)
+    fence_on()
+    fence_on()
     wrapper = vars(cls)["accept_and_finalize"]
-    assert patching.wrapped_by(cls, "accept_and_finalize") == folded_fence.NAME
+    assert wrapper is not original and patching.original(cls, "accept_and_finalize") is original
     assert wrapper.__wrapped__ is original  # one layer, not two
     assert inspect.signature(cls.accept_and_finalize) == signature
     assert cls.accept_and_finalize.__name__ == "accept_and_finalize"
-    folded_fence.uninstall(verify)
+    assert {(s.adapter, s.name) for s in patching.applied()} == {
+        ("folded_fence", "accept_and_finalize"), ("folded_fence", "run"), ("folded_fence", "_block_accept_lens")}
+    runtime.revert()
     assert vars(cls)["accept_and_finalize"] is original
-    assert patching.wrapped_by(cls, "accept_and_finalize") is None
+    assert patching.applied() == []
 
 
-def test_check_patches_nothing(verify):
-    plan = folded_fence.check(verify)
-    assert plan.state == "applied" and [p.name for p in plan.patches] == ["accept_and_finalize"]
-    assert patching.wrapped_by(verify.TargetVerifyExecutor, "accept_and_finalize") is None
+def test_deciding_patches_nothing(verify):
+    decision = runtime.decide({folded_fence.FLAG: "1"}, names=(folded_fence.NAME,))
+    plan = decision.plans[folded_fence.NAME]
+    assert plan.state == "applied"
+    assert [p.where for p in plan.patches] == [
+        "TargetVerifyExecutor.accept_and_finalize", "DsparkSamplingAcceptGraph.run", "DSparkWorkerV2._block_accept_lens"]
+    assert patching.applied() == [] and vars(verify.TargetVerifyExecutor)["accept_and_finalize"] is not None
+    assert patching.original(verify.TargetVerifyExecutor, "accept_and_finalize") is None
 
 
 # Each doctored copy of the real dspark_verify differs from it in one place.
+V = folded_fence.VERIFY
 DRIFTS = {
-    "method renamed": (
-        [("    def accept_and_finalize(\n", "    def accept_and_finalise(\n")],
-        "TargetVerifyExecutor.accept_and_finalize",
-    ),
-    "keyword renamed": (
-        [("        folded_accept: bool,\n", "        fold_accept: bool,\n"), ("        if folded_accept:\n", "        if fold_accept:\n")],
-        "parameter 'folded_accept' is gone",
-    ),
-    "AcceptOuts field renamed": (
-        [("class AcceptOuts(msgspec.Struct):\n    correct_len:", "class AcceptOuts(msgspec.Struct):\n    accepted_len:")],
-        "AcceptOuts: fields are ('accepted_len'",
-    ),
-    "one more escape route": (
-        [("    def accept_and_finalize(\n", "    def peek_accept(self, bs):\n        return self.verify_epilogue.read_accept(bs)\n\n    def accept_and_finalize(\n")],
-        "TargetVerifyExecutor.peek_accept: line",
-    ),
-    "read_accept re-signatured": (
-        [("    def read_accept(self, bs: int) -> AcceptOuts:\n", "    def read_accept(self, batch_size: int) -> AcceptOuts:\n        bs = batch_size\n")],
-        "DsparkVerifyEpilogue.read_accept: parameter 'bs' is gone",
-    ),
-    "folded path returns something else": (
-        [("            return self.verify_epilogue.read_accept(bs)\n", "            return self.verify_epilogue.accept_views(bs)\n")],
-        "no longer returns read_accept(bs)",
-    ),
+    "method renamed": Drift(V, "    def accept_and_finalize(\n", "    def accept_and_finalise(\n",
+                            "TargetVerifyExecutor.accept_and_finalize"),
+    "keyword renamed": Drift(V, "        folded_accept: bool,\n", "        fold_accept: bool,\n",
+                             "parameter 'folded_accept' is gone"),
+    "AcceptOuts field renamed": Drift(V, "class AcceptOuts(msgspec.Struct):\n    correct_len:",
+                                      "class AcceptOuts(msgspec.Struct):\n    accepted_len:", "AcceptOuts: fields are ('accepted_len'"),
+    "one more escape route": Drift(V, "    def accept_and_finalize(\n", "    def peek_accept(self, bs):\n"
+                                   "        return self.verify_epilogue.read_accept(bs)\n\n    def accept_and_finalize(\n",
+                                   "TargetVerifyExecutor.peek_accept: line"),
+    "read_accept re-signatured": Drift(V, "    def read_accept(self, bs: int) -> AcceptOuts:\n",
+                                       "    def read_accept(self, batch_size: int) -> AcceptOuts:\n        bs = batch_size\n",
+                                       "DsparkVerifyEpilogue.read_accept: parameter 'bs' is gone"),
+    "folded path returns something else": Drift(V, "            return self.verify_epilogue.read_accept(bs)\n",
+                                                "            return self.verify_epilogue.accept_views(bs)\n",
+                                                "no longer returns read_accept(bs)"),
 }
 
 
-@pytest.mark.parametrize("drift", sorted(DRIFTS))
-def test_drifted_copies_are_refused_naming_the_symbol(drift, tmp_path):
-    replacements, expected = DRIFTS[drift]
-    module = doctored_module(folded_fence.VERIFY, *replacements, directory=tmp_path)
-    with pytest.raises(Refused) as refused:
-        folded_fence.install(module)
-    message = str(refused.value)
-    assert expected in message
-    assert message.startswith("folded_fence refused on sglang 0.5.23: sglang.srt.speculative.dspark_components.dspark_verify:")
-    # Nothing was patched on the way to the refusal.
-    for name in ("accept_and_finalize", "accept_and_finalise", "peek_accept"):
-        assert patching.wrapped_by(module.TargetVerifyExecutor, name) is None
+@pytest.mark.parametrize("name", sorted(DRIFTS))
+def test_drifted_copies_are_refused_naming_the_symbol(name, tmp_path):
+    drift = DRIFTS[name]
+    outcome = drift.outcome(folded_fence, "1", directory=tmp_path)
+    assert outcome.state == runtime.REFUSED
+    assert drift.symbol in outcome.reason
+    assert outcome.reason.startswith(f"folded_fence refused on sglang 0.5.23: {V}:")
+    assert patching.applied() == []  # nothing was patched on the way to the refusal
 
 
 def test_copy_that_already_detaches_is_superseded(tmp_path):
@@ -214,13 +208,13 @@ def test_copy_that_already_detaches_is_superseded(tmp_path):
         "    def read_accept(self, bs: int) -> AcceptOuts:\n"
     )
     module = doctored_module(
-        folded_fence.VERIFY,
+        V,
         ("            return self.verify_epilogue.read_accept(bs)\n", "            return self.verify_epilogue.snapshot_accept(bs)\n"),
         ("    def read_accept(self, bs: int) -> AcceptOuts:\n", snapshot),
         directory=tmp_path,
     )
-    plan = folded_fence.install(module)
-    assert plan.state == "superseded"
-    assert "DsparkVerifyEpilogue.snapshot_accept" in plan.detail
-    assert plan.patches == []
-    assert patching.wrapped_by(module.TargetVerifyExecutor, "accept_and_finalize") is None
+    decision = runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
+    # The two other routes of 0.5.23 are still fenced; accept_and_finalize is left alone.
+    assert decision.outcomes[0].state == runtime.APPLIED
+    assert "DsparkVerifyEpilogue.snapshot_accept" in decision.outcomes[0].reason
+    assert "TargetVerifyExecutor.accept_and_finalize" not in [p.where for p in decision.plans["folded_fence"].patches]

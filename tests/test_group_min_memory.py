@@ -1,33 +1,50 @@
-"""Group-minimum memory probe (adapter.group_min_memory) against the real engines.
+"""Group-minimum memory probe (DSV41_GROUP_MIN_MEM) against the real engines.
+
+The failure: before 0.5.19 each TP rank decides on its own free memory whether to
+capture the DSpark / DFlash draft graph and whether DSpark folds sampling into it, so
+ranks with different free memory take different decisions and then run different
+collectives. The adapter makes each probe return the group minimum.
 
 - 0.5.18 (pre-fix): real gloo groups in 2 and 4 rank processes, a different free
   memory per rank injected at the helper's device query; the real decision functions
   disagree without the adapter and agree (on the group minimum) with it. In-process
   checks and drift on doctored copies run in a 0.5.18 subprocess.
 - 0.5.23 (the venv's engine): superseded by SpecTpSync.available_memory_gb, refused
-  when SGLANG_SPEC_TP_SYNC drops the MEM sites, refused on doctored upstream code.
+  when SGLANG_SPEC_TP_SYNC (the user's, or what DSV41_SPEC_TP_SYNC hands over) drops
+  the memory sites, refused on doctored upstream code.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import inspect
 import json
-import pathlib
+import os
 import subprocess
 
 import pytest
 
 from adapter import group_min_memory as gm
-from adapter import runtime
-from adapter.contract import Refused
+from adapter import patching, runtime, upstream_sync
 from adapter.flags import FlagError
 from tests import mem_cases
+from tests.doctored import DoctoredEngine, Drift
 from tests.engines import ROOT, engine_env, python
 from tests.ranks import run_ranks
 
 ON = {gm.FLAG: "1"}
+ONLY = (gm.NAME,)
+ENGINE_FLAG = upstream_sync.ENGINE_FLAG  # SGLANG_SPEC_TP_SYNC
+
+
+def decide(environ, engine=None):
+    """This adapter's outcome for `environ`, every other adapter left out."""
+    return runtime.decide(environ, engine, names=ONLY).outcomes[0]
+
+
+@pytest.fixture(autouse=True)
+def _reverted():
+    yield
+    runtime.revert()
 
 
 # ---------------------------------------------------------------- flags
@@ -40,14 +57,14 @@ def test_flag_values_parse(raw, value):
 
 def test_flag_unset_is_off():
     assert gm.parse({}) is False
-    assert runtime.decide(gm, {}, patch=False).state == runtime.OFF
+    assert decide({}).state == runtime.OFF
 
 
 @pytest.mark.parametrize("raw", ["yes", "no", "", " 1", "2", "enabled"])
 def test_flag_bad_values_refused(raw):
     with pytest.raises(FlagError, match=gm.FLAG):
         gm.parse({gm.FLAG: raw})
-    outcome = runtime.decide(gm, {gm.FLAG: raw}, patch=False)
+    outcome = decide({gm.FLAG: raw})
     assert outcome.state == runtime.REFUSED and gm.FLAG in outcome.reason
 
 
@@ -86,7 +103,8 @@ def test_two_ranks_agree_on_the_minimum_with_adapter(two_ranks):
         low = min(r["scenarios"][s]["local_gb"] for r in res)
         assert low == pytest.approx(min(frees[s]), rel=1e-6)
         for r in res:
-            assert r["scenarios"][s]["plans"] == ["applied"] * 3
+            assert r["scenarios"][s]["state"] == runtime.APPLIED
+            assert r["scenarios"][s]["replaced"] == mem_cases.REPLACED
             for probe, seen in r["scenarios"][s]["with"]["probe_gb"].items():
                 assert seen == pytest.approx(low, rel=1e-6), (s, r["rank"], probe)
             # each rank still sees its own value without the adapter
@@ -105,11 +123,13 @@ def test_two_ranks_collectives_per_site(two_ranks):
         assert with_1["all_reduce_calls"] == 2 and with_1["all_reduce_min"]
 
 
-def test_two_ranks_uninstall_restores_and_helper_untouched(two_ranks):
+def test_two_ranks_revert_restores_and_helper_untouched(two_ranks):
     _, res = two_ranks
     for r in res:
         for s in r["scenarios"]:
             assert s["restored"] and s["helper_untouched"]
+            # the shared helper, as every other importer calls it, keeps this rank's own value
+            assert s["with"]["helper_gb"] == pytest.approx(s["local_gb"], rel=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +163,8 @@ def test_four_ranks_dp_attention(four_ranks_dp):
             expected["dspark-folded-sampling"] = 1
         assert r["scenarios"][0]["with"]["adapter_collectives"] == expected
         assert r["scenarios"][0]["with"]["all_reduce_calls"] == len(expected)
+        assert r["scenarios"][0]["state"] == runtime.APPLIED
+        assert r["scenarios"][0]["replaced"] == mem_cases.REPLACED
         assert r["scenarios"][0]["restored"] and r["scenarios"][0]["helper_untouched"]
 
 
@@ -159,69 +181,75 @@ def on_0_5_18():
 
 
 def test_0_5_18_applied_on_the_three_consumers(on_0_5_18):
-    assert set(on_0_5_18["check_states"].values()) == {"applied"}
-    assert on_0_5_18["decide_no_patch"] == "applied" and on_0_5_18["nothing_patched_by_check"]
-    state, reason = on_0_5_18["decide"]
-    assert state == "applied"
+    state, reason, engine = on_0_5_18["decide"]
+    assert state == runtime.APPLIED and engine == "0.5.18"
     for site in ("DSparkWorkerV2.init_cuda_graphs", "_resolve_folded_sampling", "DFlashWorkerV2.init_cuda_graphs"):
         assert site in reason
+    # the plan names each consumer module's own binding of the helper; deciding patches nothing
+    assert on_0_5_18["planned"] == mem_cases.REPLACED
+    assert on_0_5_18["nothing_patched_by_decide"]
 
 
-def test_0_5_18_install_idempotent_and_reversible(on_0_5_18):
-    assert on_0_5_18["wrapped_by"] == [gm.NAME] * 3
-    assert on_0_5_18["wrapped_once"] and on_0_5_18["signature_kept"]
-    assert on_0_5_18["check_after_install"] == ["applied"] * 3
-    assert on_0_5_18["restored"]
-    assert on_0_5_18["uninstall_twice_harmless"] == [False] * 3
-    assert on_0_5_18["off"] == "off" and on_0_5_18["off_left_alone"]
+def test_0_5_18_apply_idempotent_and_reversible(on_0_5_18):
+    assert on_0_5_18["replaced"] == mem_cases.REPLACED
+    assert on_0_5_18["originals_are_helper"] and on_0_5_18["bindings_replaced"]
+    assert on_0_5_18["signature_kept"]
+    assert on_0_5_18["decide_after_apply"] == [runtime.APPLIED, True]
+    assert on_0_5_18["apply_idempotent"]
+    assert on_0_5_18["restored"] and on_0_5_18["revert_twice_harmless"]
+    assert on_0_5_18["off"] == [runtime.OFF, False]
+    assert on_0_5_18["off_left_alone"] and on_0_5_18["off_reverts_on"]
 
 
 def test_0_5_18_other_callers_unchanged(on_0_5_18):
     assert all(on_0_5_18["others_bound_to_helper"].values())
-    assert all(on_0_5_18["others_unchanged_while_installed"].values())
-    assert set(on_0_5_18["others_unchanged_while_installed"]) == {"utils.common", "utils", "model_runner", "eagle_worker_v2"}
+    assert all(on_0_5_18["others_unchanged_while_applied"].values())
+    assert set(on_0_5_18["others_unchanged_while_applied"]) == {"utils.common", "utils", "model_runner", "eagle_worker_v2"}
 
 
-@pytest.mark.parametrize("case", sorted(mem_cases.DOCTORED))
+@pytest.mark.parametrize("case", sorted(mem_cases.DRIFT_0_5_18))
 def test_0_5_18_drift_refused(on_0_5_18, case):
-    found = on_0_5_18["drift"][case]
-    assert found["refused"], found
-    assert found["symbol"].endswith(":" + found["expected"]), found
-    assert found["expected"] in found["message"] and "0.5.18" in found["message"]
+    drift, outcome = mem_cases.DRIFT_0_5_18[case], on_0_5_18["drift"][case]
+    assert outcome["state"] == runtime.REFUSED, outcome
+    assert f"{drift.module}:{drift.symbol}:" in outcome["reason"], outcome
+    assert outcome["engine"] == "0.5.18" and "0.5.18" in outcome["reason"]
 
 
 # ---------------------------------------------------------------- 0.5.23: superseded / refused
 
+CONSUMERS = [name for name, _ in gm.TARGETS if name != upstream_sync.MODULE]
 
-@pytest.fixture(scope="module")
-def engine_23():
+
+@pytest.fixture
+def no_engine_switch(monkeypatch):
+    """SGLANG_SPEC_TP_SYNC unset in this process, as the engine's ranks would inherit it."""
+    monkeypatch.delenv(ENGINE_FLAG, raising=False)
+
+
+def test_0_5_23_superseded(no_engine_switch):
     import sglang.srt.utils.common as common
 
-    modules = {name: importlib.import_module(name) for name, _ in gm.TARGETS}
-    return common, modules
-
-
-def test_0_5_23_superseded(engine_23, monkeypatch):
-    common, modules = engine_23
-    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
     helper = common.get_available_gpu_memory
-    outcome = runtime.decide(gm, ON)
+    decision = runtime.decide(ON, names=ONLY)
+    outcome = decision.outcomes[0]
     assert outcome.state == runtime.SUPERSEDED, outcome.reason
     assert "spec_tp_sync:SpecTpSync.available_memory_gb" in outcome.reason
-    assert "1:dspark-mem and 12:dflash-mem" in outcome.reason
-    plans = {name: gm.check(m) for name, m in modules.items()}
-    assert plans[gm.DSPARK_WORKER].state == plans[gm.DFLASH_WORKER].state == "superseded"
-    assert "DSPARK_MEM" in plans[gm.DSPARK_WORKER].detail and "DFLASH_MEM" in plans[gm.DFLASH_WORKER].detail
-    assert plans[gm.DSPARK_SAMPLER].state == "not needed"  # folded sampling AUTO gone since 0.5.22
-    assert all(not p.patches for p in plans.values())
+    assert "1:dspark-mem" in outcome.reason and "12:dflash-mem" in outcome.reason
+    # both capture gates probe through the engine's own reduction; folded sampling AUTO is gone since 0.5.22
+    assert "DSparkWorkerV2.init_cuda_graphs probes through" in outcome.reason and "(DSPARK_MEM)" in outcome.reason
+    assert "DFlashWorkerV2.init_cuda_graphs probes through" in outcome.reason and "(DFLASH_MEM)" in outcome.reason
+    assert "_resolve_folded_sampling" not in outcome.reason
+    plan = decision.plans[gm.NAME]
+    assert plan.patches == [] and plan.env == {}
+    runtime.apply(decision)
+    assert patching.applied() == [] and ENGINE_FLAG not in os.environ
     assert common.get_available_gpu_memory is helper
-    assert all(gm.HELPER not in vars(m) for name, m in modules.items() if name != gm.SPEC_TP_SYNC)
+    assert all(gm.HELPER not in vars(importlib.import_module(name)) for name in CONSUMERS)
 
 
 @pytest.mark.parametrize("spec", ["init", "rng", "all,-dflash-selector", "1,12"])
-def test_0_5_23_superseded_when_mem_sites_kept(engine_23, monkeypatch, spec):
-    monkeypatch.setenv("SGLANG_SPEC_TP_SYNC", spec)
-    outcome = runtime.decide(gm, ON)
+def test_0_5_23_superseded_when_mem_sites_kept(spec):
+    outcome = decide({**ON, ENGINE_FLAG: spec})
     assert outcome.state == runtime.SUPERSEDED, outcome.reason
     assert repr(spec) in outcome.reason
 
@@ -232,49 +260,91 @@ def test_0_5_23_superseded_when_mem_sites_kept(engine_23, monkeypatch, spec):
     ("off", ["1:dspark-mem", "12:dflash-mem"]),
     ("rng,-init", ["1:dspark-mem", "12:dflash-mem"]),
 ])
-def test_0_5_23_refused_when_mem_sites_excluded(engine_23, monkeypatch, spec, missing):
-    monkeypatch.setenv("SGLANG_SPEC_TP_SYNC", spec)
-    outcome = runtime.decide(gm, ON)
+def test_0_5_23_refused_when_mem_sites_excluded(monkeypatch, spec, missing):
+    outcome = decide({**ON, ENGINE_FLAG: spec})
     assert outcome.state == runtime.REFUSED
-    assert "SGLANG_SPEC_TP_SYNC" in outcome.reason and gm.FLAG in outcome.reason
+    assert ENGINE_FLAG in outcome.reason and gm.FLAG in outcome.reason
     for site in missing:
         assert site in outcome.reason
     # and the flag switched off leaves the user's choice alone
-    assert runtime.decide(gm, {gm.FLAG: "0"}).state == runtime.OFF
+    monkeypatch.setenv(ENGINE_FLAG, spec)
+    off = runtime.decide({gm.FLAG: "0", ENGINE_FLAG: spec}, names=ONLY)
+    assert off.outcomes[0].state == runtime.OFF
+    runtime.apply(off)
+    assert os.environ[ENGINE_FLAG] == spec
 
 
-def test_0_5_23_refused_on_a_spec_the_engine_rejects(engine_23, monkeypatch):
-    monkeypatch.setenv("SGLANG_SPEC_TP_SYNC", "all,-dspark-memory")
-    outcome = runtime.decide(gm, ON)
+def test_0_5_23_refused_on_a_spec_the_engine_rejects():
+    outcome = decide({**ON, ENGINE_FLAG: "all,-dspark-memory"})
     assert outcome.state == runtime.REFUSED and "unknown token" in outcome.reason
 
 
-def _doctored_23(module_name, old, new):
-    real = importlib.import_module(module_name)
-    source = pathlib.Path(inspect.getsourcefile(real)).read_text()
-    assert source.count(old) == 1
-    return mem_cases.load_doctored(module_name, old, new)
+# The pack's own site selector reaches the engine's switch through rank0_broadcast's hand-over.
+
+HANDS_OVER_WITHOUT_DSPARK_MEM = {gm.FLAG: "1", "DSV41_SPEC_TP_SYNC": "all,-dspark-mem"}
 
 
-@pytest.mark.parametrize("module_name,old,new,symbol", [
-    (gm.SPEC_TP_SYNC, "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, *, group):",
-     "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, group):", "SpecTpSync.available_memory_gb"),
-    (gm.SPEC_TP_SYNC, "            cpu_group=group.cpu_group if distributed else None,\n", "",
-     "SpecTpSync.available_memory_gb"),
-    (gm.DSPARK_WORKER, "            SpecTpSyncSite.DSPARK_MEM,\n", "            SpecTpSyncSite.DSPARK_PLAN,\n",
-     "DSparkWorkerV2.init_cuda_graphs"),
+@pytest.mark.parametrize("names", [
+    ("folded_fence", "rank0_broadcast", "group_min_memory"),
+    ("group_min_memory", "rank0_broadcast", "folded_fence"),
 ])
-def test_0_5_23_drift_refused(engine_23, monkeypatch, module_name, old, new, symbol):
-    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
-    real = importlib.import_module(module_name)
-    assert gm.check(real).state == "superseded"
-    doctored = _doctored_23(module_name, old, new)
-    with pytest.raises(Refused) as info:
-        gm.check(doctored)
-    assert info.value.symbol == f"{module_name}:{symbol}" and "0.5.23" in str(info.value)
+def test_0_5_23_refused_when_the_pack_hands_over_no_dspark_mem(no_engine_switch, names):
+    decision = runtime.decide(HANDS_OVER_WITHOUT_DSPARK_MEM, names=names)
+    outcomes = {o.adapter: o for o in decision.outcomes}
+    memory = outcomes[gm.NAME]
+    assert memory.state == runtime.REFUSED
+    assert "1:dspark-mem" in memory.reason and "DSV41_SPEC_TP_SYNC" in memory.reason
+    assert "12:dflash-mem" not in memory.reason  # the hand-over keeps DFlash's site
+    # a refused decision changes nothing: no patch, nothing handed to the engine
+    with pytest.raises(runtime.AdapterRefused, match="1:dspark-mem"):
+        runtime.apply(decision)
+    assert patching.applied() == [] and ENGINE_FLAG not in os.environ
 
 
-def test_not_a_target_module_refused(engine_23):
-    _, modules = engine_23
-    with pytest.raises(Refused, match="not a module this adapter patches"):
-        gm.check(importlib.import_module("sglang.srt.utils.common"))
+def test_0_5_23_hand_over_outcomes_do_not_depend_on_adapter_order(no_engine_switch):
+    forward = runtime.decide(HANDS_OVER_WITHOUT_DSPARK_MEM, names=("folded_fence", "rank0_broadcast", "group_min_memory"))
+    backward = runtime.decide(HANDS_OVER_WITHOUT_DSPARK_MEM, names=("group_min_memory", "rank0_broadcast", "folded_fence"))
+    assert sorted(forward.outcomes, key=lambda o: o.adapter) == sorted(backward.outcomes, key=lambda o: o.adapter)
+
+
+def test_0_5_23_selector_off_hands_nothing_over(no_engine_switch):
+    decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "off"})
+    states = {o.adapter: o.state for o in decision.outcomes}
+    assert states["rank0_broadcast"] == states[gm.NAME] == runtime.OFF
+    runtime.apply(decision)
+    assert ENGINE_FLAG not in os.environ
+    # and switching the selector off takes back what an earlier "all" handed over
+    runtime.apply(runtime.decide({"DSV41_SPEC_TP_SYNC": "all"}))
+    assert ENGINE_FLAG in os.environ
+    runtime.apply(decision)
+    assert ENGINE_FLAG not in os.environ
+
+
+def test_0_5_23_selector_off_keeps_the_users_engine_switch(monkeypatch):
+    monkeypatch.setenv(ENGINE_FLAG, "init")
+    runtime.apply(runtime.decide({"DSV41_SPEC_TP_SYNC": "off", ENGINE_FLAG: "init"}))
+    assert os.environ[ENGINE_FLAG] == "init"
+
+
+DRIFT_0_5_23 = [
+    Drift(upstream_sync.MODULE, "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, *, group):",
+          "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, group):", gm.UPSTREAM_PROBE),
+    Drift(upstream_sync.MODULE, "            cpu_group=group.cpu_group if distributed else None,\n", "",
+          gm.UPSTREAM_PROBE),
+    Drift(gm.DSPARK_WORKER, "            SpecTpSyncSite.DSPARK_MEM,\n", "            SpecTpSyncSite.DSPARK_PLAN,\n",
+          "DSparkWorkerV2.init_cuda_graphs"),
+]
+
+
+@pytest.mark.parametrize("drift", DRIFT_0_5_23, ids=lambda d: f"{d.module.rpartition('.')[2]}:{d.symbol}")
+def test_0_5_23_drift_refused(drift):
+    assert decide(ON).state == runtime.SUPERSEDED  # the real engine
+    outcome = drift.outcome(gm, "1")
+    assert outcome.state == runtime.REFUSED
+    assert f"{drift.module}:{drift.symbol}:" in outcome.reason and "0.5.23" in outcome.reason
+
+
+def test_0_5_23_missing_consumer_module_refused():
+    outcome = decide(ON, DoctoredEngine({gm.DFLASH_WORKER: None}))
+    assert outcome.state == runtime.REFUSED
+    assert gm.DFLASH_WORKER in outcome.reason and "missing" in outcome.reason

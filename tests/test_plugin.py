@@ -40,9 +40,9 @@ def rank_process(doctor_engine: bool, tmp_dir: str, results) -> None:
     except Exception as exc:  # the real constructor on placeholder arguments
         results.put(("constructor", type(exc).__name__))
     from adapter import patching
-    from sglang.srt.speculative.dspark_components import dspark_verify
 
-    results.put(("fence", patching.wrapped_by(dspark_verify.TargetVerifyExecutor, "accept_and_finalize")))
+    # What the runtime replaced in this rank, by adapter and binding.
+    results.put(("patched", sorted(f"{s.adapter}:{s.name}" for s in patching.applied())))
 
 
 def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False):
@@ -66,7 +66,9 @@ def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False):
 def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_path, capfd):
     code, found = spawn_rank(monkeypatch, "1", tmp_path)
     assert code == 0
-    assert "constructor" in found and found["fence"] == folded_fence.NAME
+    assert "constructor" in found
+    assert found["patched"] == ["folded_fence:_block_accept_lens", "folded_fence:accept_and_finalize", "folded_fence:run",
+                                "pack-guard:__init__"]
     err = capfd.readouterr().err
     assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED - fenced TargetVerifyExecutor.accept_and_finalize" in err
 
@@ -74,7 +76,7 @@ def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_pa
 def test_spawned_rank_is_untouched_when_the_flag_is_unset(monkeypatch, tmp_path, capfd):
     code, found = spawn_rank(monkeypatch, None, tmp_path)
     assert code == 0
-    assert "constructor" in found and found["fence"] is None
+    assert "constructor" in found and found["patched"] == ["pack-guard:__init__"]
     assert "folded_fence DSV41_FOLDED_FENCE=<unset>: OFF" in capfd.readouterr().err
 
 
@@ -85,7 +87,7 @@ def test_spawned_rank_is_untouched_when_the_flag_is_unset(monkeypatch, tmp_path,
 def test_refusal_inside_a_spawned_rank_stops_it(monkeypatch, tmp_path, capfd, flag, doctor_engine, reason):
     code, found = spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=doctor_engine)
     assert code != 0
-    assert "fence" not in found and "constructor" not in found  # the engine's constructor never ran
+    assert "patched" not in found and "constructor" not in found  # the engine's constructor never ran
     err = capfd.readouterr().err
     assert "AdapterRefused: the engine must not start: " in err
     assert reason in err

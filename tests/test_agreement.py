@@ -1,0 +1,106 @@
+"""One decision everywhere: doctor, doctor --engine, the launcher and every rank agree.
+
+The table: every DSV41_SPEC_TP_SYNC value in agreement_cases.SELECTOR (unset, 1, all, init,
+rng, off, all,-dspark-mem, 17, dspark-plan,dflash-target) with DSV41_GROUP_MIN_MEM unset,
+0 or 1 (27 combinations), on 0.5.23 and 0.5.18 installed and read from their sources, and
+on 0.5.16 from its sources. For every combination:
+- doctor --strict fails exactly when the launch refuses (installed releases);
+- doctor --engine on the release's sources gives each adapter the outcome the installed
+  release gives it;
+- every order of ADAPTERS gives the same outcomes;
+- what the launch applies comes only from adapters that are on, and only rank0_broadcast
+  hands anything to the engine (0.5.19+), never when it is off.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+from tests.agreement_cases import combos
+from tests.engines import ENGINE_PATHS, ROOT
+from tests.ranks import run_ranks
+
+sys.path.insert(0, str(ROOT / "tools"))
+import compat_matrix  # noqa: E402  (fetches a release's sources once into .engines/src)
+
+SITE_PACKAGES = str(pathlib.Path(__import__("importlib").util.find_spec("sglang").origin).parent.parent)
+OFF = ("off", None)
+
+
+@pytest.fixture(scope="module")
+def table():
+    old = str(compat_matrix.source_tree("0.5.16"))
+    t23 = run_ranks(1, "tests.agreement_cases:table", release="0.5.23", timeout=600,
+                    kwargs={"source_trees": [["0.5.23", SITE_PACKAGES], ["0.5.16", old]]})[0]
+    t18 = run_ranks(1, "tests.agreement_cases:table", release="0.5.18", timeout=600,
+                    kwargs={"source_trees": [["0.5.18", str(ENGINE_PATHS["0.5.18"][0])]]})[0]
+    return {**t23, **t18}
+
+
+def test_the_table_covers_every_combination_on_three_releases(table):
+    assert len(combos()) == 27
+    assert {release: sorted(sides) for release, sides in table.items()} == {
+        "0.5.23": ["installed", "sources"], "0.5.18": ["installed", "sources"], "0.5.16": ["sources"]}
+    assert all(len(rows) == 27 for sides in table.values() for rows in sides.values())
+
+
+@pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
+def test_doctor_strict_fails_exactly_when_the_launch_refuses(table, release):
+    for env, row in zip(combos(), table[release]["installed"]):
+        assert row["doctor_failed"] == row["launch_refused"], (env, row["reasons"])
+
+
+@pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
+def test_doctor_engine_on_the_sources_agrees_with_the_installed_release(table, release):
+    for env, installed, sources in zip(combos(), table[release]["installed"], table[release]["sources"]):
+        assert sources["states"] == installed["states"], env
+        assert sources["launch_refused"] == installed["launch_refused"], env
+
+
+@pytest.mark.parametrize("release,side", [("0.5.23", "installed"), ("0.5.23", "sources"), ("0.5.18", "installed"),
+                                          ("0.5.18", "sources"), ("0.5.16", "sources")])
+def test_the_order_of_adapters_never_matters(table, release, side):
+    for env, row in zip(combos(), table[release][side]):
+        assert all(states == row["states"] for states in row["orders"]), env
+
+
+@pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
+def test_off_means_untouched(table, release):
+    for env, row in zip(combos(), table[release]["installed"]):
+        if row["launch_refused"]:
+            continue
+        on = {adapter for adapter, state in row["states"].items() if state != "off"}
+        assert set(row["patched_by"]) <= on, env
+        if env.get("DSV41_SPEC_TP_SYNC") in OFF or release == "0.5.18":
+            assert row["handed"] == {}, env
+        else:
+            assert row["handed"] == {"SGLANG_SPEC_TP_SYNC": "rank0_broadcast"}, env
+
+
+def row(table, release, side, **env):
+    return table[release][side][combos().index({k: v for k, v in env.items() if v is not None})]
+
+
+def test_the_cases_of_the_issue(table):
+    # An adapter that is off never fails the build over another flag.
+    for side in ("installed", "sources"):
+        off23 = row(table, "0.5.23", side, DSV41_SPEC_TP_SYNC="off")
+        assert not off23["doctor_failed"] and not off23["launch_refused"]
+        assert row(table, "0.5.18", side, DSV41_SPEC_TP_SYNC="off")["states"]["rank0_broadcast"] == "off"
+    # Dropping a memory site while the memory probe is on: refused by every decider.
+    for side in ("installed", "sources"):
+        dropped = row(table, "0.5.23", side, DSV41_SPEC_TP_SYNC="all,-dspark-mem", DSV41_GROUP_MIN_MEM="1")
+        assert dropped["states"]["group_min_memory"] == "refused" and dropped["doctor_failed"]
+        assert "1:dspark-mem" in dropped["reasons"]["group_min_memory"]
+    # Sites another flag serves are named with the flag.
+    applied = row(table, "0.5.18", "installed", DSV41_SPEC_TP_SYNC="all")
+    assert applied["states"]["rank0_broadcast"] == "applied"
+    assert "1:dspark-mem, 12:dflash-mem are served by DSV41_GROUP_MIN_MEM" in applied["reasons"]["rank0_broadcast"]
+    init = row(table, "0.5.18", "installed", DSV41_SPEC_TP_SYNC="init", DSV41_GROUP_MIN_MEM="1")
+    assert init["states"] == {"folded_fence": "off", "rank0_broadcast": "refused", "group_min_memory": "applied"}
+    assert "1:dspark-mem by DSV41_GROUP_MIN_MEM" in init["reasons"]["rank0_broadcast"]
+    # 0.5.16 cannot cover the folded draft: "all" is refused, naming the way out.
+    assert "all,-dspark-draft" in row(table, "0.5.16", "sources", DSV41_SPEC_TP_SYNC="all")["reasons"]["rank0_broadcast"]
