@@ -9,6 +9,7 @@ symbol and the engine version: the engine must then not start.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import inspect
@@ -159,7 +160,6 @@ class Contract:
         self.module = module
         self.name = name or module.__name__
         self._source = source
-        self._tree: Optional[ast.AST] = None
 
     def refuse(self, symbol: str, problem: str) -> Refused:
         return Refused(self.adapter, f"{self.name}:{symbol}", problem, version_of(self.module))
@@ -228,15 +228,21 @@ class Contract:
         return self._source
 
     def tree(self) -> ast.AST:
-        if self._tree is None:
-            self._tree = ast.parse(self.source())
-        return self._tree
+        return _parsed(self.source())[0]
 
     def uses(self, name: str, *, attribute: bool = False) -> list["Found"]:
         """Every read of `name` in the module: as a bare name, or with `attribute`, as `x.name`."""
-        if attribute:
-            return find(self.tree(), lambda n: isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.ctx, ast.Load))
-        return find(self.tree(), lambda n: isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load))
+        index = _parsed(self.source())[1]
+        return list(index.attrs.get(name, ()) if attribute else index.names.get(name, ()))
+
+    def all_calls(self) -> list["Found"]:
+        return list(_parsed(self.source())[1].calls)
+
+    def calls(self, name: str, *, method: bool) -> list["Found"]:
+        """Calls `name(...)`, or with `method`, `<anything>.name(...)`."""
+        return [f for f in _parsed(self.source())[1].calls
+                if (isinstance(f.node.func, ast.Attribute) and f.node.func.attr == name if method
+                    else isinstance(f.node.func, ast.Name) and f.node.func.id == name)]
 
     def only_used_in(self, name: str, functions: Iterable[str], *, attribute: bool = False, required: bool = True,
                      ignore: Callable[["Found"], bool] = lambda found: False) -> list["Found"]:
@@ -278,31 +284,36 @@ class Found:
     node: ast.AST
 
 
-def find(tree: ast.AST, match: Callable[[ast.AST], bool]) -> list[Found]:
-    """Every node of `tree` for which `match` is true, in source order, each with its
-    enclosing function. Read from the source: nothing is imported or run."""
-    found: list[Found] = []
+@dataclass
+class Index:
+    """What the checks look up in a module's source, gathered in one walk: reads of bare
+    names and of attributes (by name), and every call, each with its enclosing function."""
 
-    def visit(node: ast.AST, scope: tuple[str, ...]) -> None:
-        if match(node):
-            found.append(Found(".".join(scope) or "<module>", node.lineno, node))
+    names: dict[str, list[Found]] = field(default_factory=dict)
+    attrs: dict[str, list[Found]] = field(default_factory=dict)
+    calls: list[Found] = field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(source: str) -> tuple[ast.AST, Index]:
+    """The source parsed and indexed once, however many checks read it."""
+    tree, index = ast.parse(source), Index()
+    stack = [(tree, ())]
+    while stack:
+        node, scope = stack.pop()
+        function = ".".join(scope) or "<module>"
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            index.names.setdefault(node.id, []).append(Found(function, node.lineno, node))
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            index.attrs.setdefault(node.attr, []).append(Found(function, node.lineno, node))
+        elif isinstance(node, ast.Call):
+            index.calls.append(Found(function, node.lineno, node))
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             scope = scope + (node.name,)
-        for child in ast.iter_child_nodes(node):
-            visit(child, scope)
-
-    visit(tree, ())
-    return found
-
-
-def calls(tree: ast.AST, name: str, *, method: bool) -> list[Found]:
-    """Calls `name(...)`, or with `method`, `<anything>.name(...)`."""
-    def match(node) -> bool:
-        if not isinstance(node, ast.Call):
-            return False
-        func = node.func
-        return isinstance(func, ast.Attribute) and func.attr == name if method else isinstance(func, ast.Name) and func.id == name
-    return find(tree, match)
+        stack.extend((child, scope) for child in reversed(list(ast.iter_child_nodes(node))))
+    for found in (*index.names.values(), *index.attrs.values(), index.calls):
+        found.sort(key=lambda f: (f.line, f.node.col_offset))
+    return tree, index
 
 
 def target_modules(adapter: str, engine, targets) -> dict:

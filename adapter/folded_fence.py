@@ -95,8 +95,7 @@ def _reader_uses(contract: Contract, allowed) -> list:
     """Every read of an epilogue reader in the module, other than a write target (passed
     as `out=`/`*_out=`: the callee writes through the views); one outside `allowed` is an
     escape route the fence does not cover, and it refuses."""
-    written = {id(kw.value.func) for node in ast.walk(contract.tree()) if isinstance(node, ast.Call)
-               for kw in node.keywords
+    written = {id(kw.value.func) for found in contract.all_calls() for kw in found.node.keywords
                if kw.arg and (kw.arg == "out" or kw.arg.endswith("_out")) and isinstance(kw.value, ast.Call)}
     return [f for reader in READERS for f in contract.only_used_in(
         reader, allowed, attribute=True, required=False, ignore=lambda f: id(f.node) in written)]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from . import upstream_sync
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Plan, Refused, calls, combine, sibling, target_modules
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Plan, Refused, combine, sibling, target_modules
 from .flags import parse_switch
 from .sites import MEMORY, Site, labels
 
@@ -156,7 +156,7 @@ def check_upstream(module, context) -> Plan:
     contract = Contract(NAME, module)
     contract.params(UPSTREAM_PROBE, {"site": POSITIONAL, "device": POSITIONAL, "gpu_id": POSITIONAL, "group": KEYWORD_ONLY})
     reductions = [
-        c for c in calls(contract.tree(), HELPER, method=False)
+        c for c in contract.calls(HELPER, method=False)
         if c.function == UPSTREAM_PROBE and {"distributed", "cpu_group"} <= {k.arg for k in c.node.keywords}
     ]
     if not reductions:
@@ -180,7 +180,7 @@ def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
     """0.5.19+: the consumer asks SpecTpSync for the memory (or, 0.5.19-0.5.21 sampler,
     receives it as a parameter). None when the module shows neither."""
     asked = contract.uses("available_memory_gb", attribute=True)
-    for found in calls(contract.tree(), "available_memory_gb", method=True):
+    for found in contract.calls("available_memory_gb", method=True):
         first = found.node.args[0] if found.node.args else None
         if not (isinstance(first, ast.Attribute) and first.attr == probe.site.name):
             raise contract.refuse(probe.function, f"line {found.line} no longer probes site {probe.site.name}")
@@ -223,7 +223,7 @@ def _module_plan(module) -> Plan:
     if inspect.unwrap(binding) is not inspect.unwrap(helper):
         raise contract.refuse(HELPER, f"is not the engine helper {HELPER_HOME}.{HELPER} ({binding!r})")
     # The probe calls pass only (device, gpu_id): the wrapper sets distributed/cpu_group.
-    for call in calls(contract.tree(), HELPER, method=False):
+    for call in contract.calls(HELPER, method=False):
         if len(call.node.args) != 2 or call.node.keywords:
             raise contract.refuse(
                 probe.function,

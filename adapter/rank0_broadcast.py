@@ -25,7 +25,7 @@ import wrapt
 
 from . import upstream_sync
 from .broadcast import DFLASH, DSPARK, bind_group, broadcast, resolve_group
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Plan, Refused, calls, combine, target_modules
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Plan, Refused, combine, target_modules
 from .sites import MEMORY, Site, labels, parse_selector
 
 NAME = "rank0_broadcast"
@@ -193,7 +193,7 @@ SAMPLE_BLOCK_CALLERS = {DRAFT: ("sample_draft_block",), DRAFT_SAMPLER: ("DsparkD
 
 def _sample_block_calls(contract: Contract, functions) -> None:
     contract.only_used_in("sample_block", functions, attribute=True)
-    for found in calls(contract.tree(), "sample_block", method=True):
+    for found in contract.calls("sample_block", method=True):
         if "sampler" not in {k.arg for k in found.node.keywords}:
             raise contract.refuse(found.function, f"line {found.line} no longer passes sampler= to sample_block")
 

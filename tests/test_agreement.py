@@ -26,6 +26,8 @@ from tests.ranks import run_ranks
 sys.path.insert(0, str(ROOT / "tools"))
 import compat_matrix  # noqa: E402  (fetches a release's sources once into .engines/src)
 
+pytestmark = pytest.mark.timeout(1200)  # the table takes about 3 minutes on two cores
+
 SITE_PACKAGES = str(pathlib.Path(__import__("importlib").util.find_spec("sglang").origin).parent.parent)
 OFF = ("off", None)
 
