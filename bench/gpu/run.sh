@@ -26,6 +26,8 @@ start=$(date +%s)
   echo "build wall $(( $(date +%s) - start )) s"; ls -l $K $K80; } 2>&1 | tee $OUT/build.log
 
 chmod -R a-w /opt/pack /opt/sglang-dsv41 /opt/sglang-dsv41-sm80
+listing() { find /opt/pack /opt/sglang-dsv41 -printf '%p %s %T@\n' | sort; }
+listing > /tmp/opt-before.txt
 id runner >/dev/null 2>&1 || useradd -m runner
 rm -rf /tmp/run && mkdir -p /tmp/run/bin /tmp/run/out && cp -r tests bench /tmp/run/
 printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > /tmp/run/bin/python3 && chmod a+rx /tmp/run/bin/python3
@@ -45,4 +47,4 @@ MODE='import sys, adapter; from adapter import accept_snapshot as a; print(a.cop
 as_runner python3 -m pytest tests/test_fence_gpu.py -q -rA -p no:cacheprovider 2>&1 | tee $OUT/test_fence_gpu.log | tail -25
 as_runner python3 bench/fence_cost.py --json /tmp/run/out/fence_cost.json 2>&1 | tee $OUT/fence_cost.txt | tail -24
 cp /tmp/run/out/fence_cost.json $OUT/ 2>/dev/null
-echo "written under /opt since the build: $(find /opt/pack /opt/sglang-dsv41 -newer $K | wc -l) files"
+echo "changed under /opt/pack and /opt/sglang-dsv41 by the runs: $(listing | diff /tmp/opt-before.txt - | wc -l) lines"
