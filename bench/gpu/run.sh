@@ -4,7 +4,7 @@
 #    image's own command (docker/Dockerfile's RUN with its default build arguments), plus one
 #    built for sm_80 only, to see the fallback on this sm_90 GPU;
 # 2. both made read-only; then, as a non-root user with no nvcc on PATH and no CUDA_HOME:
-#    copy_mode, tests/test_fence_gpu.py, bench/fence_cost.py. Logs and JSON under $OUT.
+#    copy_mode, tests/test_fence_gpu.py, bench/fence_cost.py $BENCH_ARGS. Logs and JSON under $OUT.
 set -uo pipefail
 source .gpu/setup.sh
 PY=$(command -v python3)
@@ -45,6 +45,6 @@ MODE='import sys, adapter; from adapter import accept_snapshot as a; print(a.cop
   echo "== no kernel file"; as_runner /usr/bin/env SGLANG_ADAPTERS_SNAPSHOT_KERNEL=/opt/none.so python3 -c "$MODE"
 } 2>&1 | tee $OUT/checks.txt
 as_runner python3 -m pytest tests/test_fence_gpu.py -q -rA -p no:cacheprovider 2>&1 | tee $OUT/test_fence_gpu.log | tail -25
-as_runner python3 bench/fence_cost.py --json /tmp/run/out/fence_cost.json 2>&1 | tee $OUT/fence_cost.txt | tail -24
+as_runner python3 bench/fence_cost.py ${BENCH_ARGS:-} --json /tmp/run/out/fence_cost.json 2>&1 | tee $OUT/fence_cost.txt | tail -24
 cp /tmp/run/out/fence_cost.json $OUT/ 2>/dev/null
 echo "changed under /opt/pack and /opt/sglang-dsv41 by the runs: $(listing | diff /tmp/opt-before.txt - | wc -l) lines"
