@@ -8,6 +8,9 @@
 set -uo pipefail
 source .gpu/setup.sh
 PY=$(command -v python3)
+# A warm machine keeps the last run's read-only folders: start from fresh ones.
+chmod -R u+w /opt/pack /opt/sglang-dsv41 /opt/sglang-dsv41-sm80 2>/dev/null
+rm -rf /opt/pack /opt/sglang-dsv41 /opt/sglang-dsv41-sm80
 K=/opt/sglang-dsv41/dsv41_accept_snapshot.so
 K80=/opt/sglang-dsv41-sm80/dsv41_accept_snapshot.so
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
