@@ -3,38 +3,50 @@
 The folded accept leaves six small tensors (`AcceptOuts`) in the verify graph's
 persistent buffers. The fence needs a copy of them that no later replay touches,
 queued on the forward stream right where they escape. Six `clone()` calls do it (six
-allocations, six kernel launches: about +50-70 us host time per verify step on an
+allocations, six kernel launches: about +55-75 us host time per verify step on an
 H200), and that is what this module does on the CPU and whenever the fast path is
 not available.
 
-The fast path, for CUDA tensors, is one call into a small compiled extension that
-takes ONE block from PyTorch's caching allocator, fills it with ONE kernel launch on
-the current stream, and returns six typed tensors that share that block. The copy
-is fresh memory, so it is correct by construction for every consumer: Python
-references keep the block alive, and the scheduler's readback (`record_stream` on
-its copy stream) keeps the allocator from reusing the block until the copy ran,
-exactly as for a clone. No preallocated slot is ever rewritten, so nothing has to
-track who still reads a slot.
+The fast path, for CUDA tensors, is one call into a small compiled kernel library
+that takes ONE block from PyTorch's caching allocator, fills it with ONE kernel
+launch on the current stream, and returns six typed tensors that share that block.
+The copy is fresh memory, so it is correct by construction for every consumer:
+Python references keep the block alive, and the scheduler's readback (`record_stream`
+on its copy stream) keeps the allocator from reusing the block until the copy ran,
+exactly as for a clone. No preallocated slot is ever rewritten.
 
-The extension is compiled with `torch.utils.cpp_extension.load_inline` (nvcc and a
-host compiler), in a background thread the first time a CUDA result is detached, or
-up front with `prepare()`. Until it is loaded, and for good if it cannot be built,
-the plain clones serve: the values are the same either way, only the cost differs.
+Nothing is compiled at run time. The image build compiles the library once
+(`python3 -P -m adapter.accept_snapshot build --archs "9.0 10.0"`: torch's
+`load_inline` into a temporary folder, checked by loading it in a fresh interpreter,
+then moved to its path); each process loads that file by path with Python's own
+extension loader, the first time it is needed: no JIT cache, no lock, nothing
+written, any user, read-only file systems. The path is $SGLANG_ADAPTERS_SNAPSHOT_KERNEL,
+else DEFAULT_PATH. If the file is missing, does not load, was built from other
+sources or another torch, or holds no code for this GPU, the clones serve and
+`copy_mode()` says why: the values are the same either way, only the cost differs.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import inspect
 import operator
 import os
-import threading
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 from typing import Optional
 
-__all__ = ["detach", "clone_detach", "prepare", "status", "use_extension", "extension"]
+__all__ = ["copy_mode", "detach", "clone_detach", "kernel_path", "extension", "use_extension", "build"]
 
-# One launch fills every field: (src, dst offset) per field, 4-byte words, each field
-# at a 16-byte aligned offset of the block. Fields whose element size is not a
-# multiple of 4 bytes, non-contiguous or cross-device inputs take plain clones (in C++).
+PATH_ENV = "SGLANG_ADAPTERS_SNAPSHOT_KERNEL"  # not DSV41_*: those are the pack's flags
+MODULE = "dsv41_accept_snapshot"              # the library's Python module name (PyInit_<MODULE>)
+DEFAULT_PATH = f"/opt/sglang-dsv41/{MODULE}.so"
+DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre parts
+
 _CUDA_SOURCE = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/EmptyTensor.h>
@@ -137,18 +149,29 @@ void empty_launch() {
 }
 """
 
+# The bindings' side: torch's pybind casters only, not all of torch/extension.h (a
+# third of the compile time).
 _CPP_SOURCE = (
+    "#include <torch/csrc/utils/pybind.h>\n"
+    "#include <string>\n"
+    "#include <vector>\n"
     "std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& srcs);\n"
     "void empty_launch();\n"
 )
-_NAME = "dsv41_accept_snapshot_" + hashlib.sha256((_CUDA_SOURCE + _CPP_SOURCE).encode()).hexdigest()[:10]
+_FUNCTIONS = ["snapshot", "empty_launch", "build_info"]
+# Which sources a kernel file was built from: a file from another pack version is not used.
+SOURCE_HASH = hashlib.sha256((_CUDA_SOURCE + _CPP_SOURCE).encode()).hexdigest()[:16]
+_ARCH = re.compile(r"(\d+)\.(\d+)([af]?)(\+PTX)?")
 
-_lock = threading.Lock()
-_ext = None  # the loaded extension, once built
-_enabled = True
-_state = {"state": "not built", "detail": ""}
-_builder: Optional[threading.Thread] = None
+_mode: Optional[tuple] = None  # copy_mode()'s answer once probed
+_kernel = None                 # the loaded library, when it can serve this GPU
+_enabled = True                # use_extension() (tests, benchmarks)
+_snapshot = None               # _kernel.snapshot while enabled: the hot path's one check
 _getters: dict = {}
+
+
+def kernel_path() -> str:
+    return os.environ.get(PATH_ENV) or DEFAULT_PATH
 
 
 def _getter(fields: tuple):
@@ -160,72 +183,199 @@ def _getter(fields: tuple):
 
 def clone_detach(outs, fields: tuple):
     """Plain clones of each field: the CPU path, and the fallback."""
-    return type(outs)(*[t.clone() for t in _getter(fields)(outs)])
+    return type(outs)(**{name: t.clone() for name, t in zip(fields, _getter(fields)(outs))})
 
 
 def detach(outs, fields: tuple):
-    """A copy of `outs` (a struct whose fields are exactly `fields`, in order) whose
-    tensors own their memory, queued on the current stream."""
+    """A copy of `outs` (a struct whose fields are exactly `fields`) whose tensors own
+    their memory, queued on the current stream. Rebuilt with keywords: the struct
+    may be keyword-only."""
     tensors = _getter(fields)(outs)
-    if _ext is not None and tensors[0].is_cuda:
-        return type(outs)(*_ext.snapshot(tensors))
-    if _enabled and _builder is None and tensors[0].is_cuda:
-        _start_build()
-    return type(outs)(*[t.clone() for t in tensors])
+    if tensors[0].is_cuda:
+        if _mode is None:
+            copy_mode()
+        if _snapshot is not None:
+            return type(outs)(**dict(zip(fields, _snapshot(tensors))))
+    return type(outs)(**{name: t.clone() for name, t in zip(fields, tensors)})
 
 
-def _build() -> None:
-    global _ext
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        module = load_inline(
-            name=_NAME,
-            cpp_sources=_CPP_SOURCE,
-            cuda_sources=_CUDA_SOURCE,
-            functions=["snapshot", "empty_launch"],
-            extra_cuda_cflags=["-O2"],
-            extra_cflags=["-O2"],
-            with_pytorch_error_handling=False,
-            verbose=bool(os.environ.get("SGLANG_ADAPTERS_BUILD_VERBOSE")),
-        )
-    except BaseException as exc:  # noqa: BLE001 - any failure leaves the clones in place
-        _state.update(state="unavailable", detail=f"{type(exc).__name__}: {str(exc).strip()[-400:]}")
-        return
-    _state.update(state="loaded", detail=_NAME)
-    if _enabled:
-        _ext = module
-    _state["module"] = module
-
-
-def _start_build() -> threading.Thread:
-    global _builder
-    with _lock:
-        if _builder is None:
-            _state.update(state="building", detail=_NAME)
-            _builder = threading.Thread(target=_build, name="dsv41-accept-snapshot-build", daemon=True)
-            _builder.start()
-        return _builder
-
-
-def prepare(timeout: Optional[float] = None) -> dict:
-    """Build (or load the cached build of) the extension now and wait for it."""
-    _start_build().join(timeout)
-    return status()
-
-
-def status() -> dict:
-    """Which path CUDA results take: 'loaded' (one launch), else clones and why."""
-    return {"state": _state["state"], "detail": _state["detail"], "in_use": _ext is not None}
+def copy_mode() -> tuple[str, str]:
+    """("one-launch", the kernel file it loaded) or ("clones", why). The first call
+    loads the file (a dlopen, no compile, no GPU work beyond a capability query)."""
+    global _mode, _kernel
+    if _mode is None:
+        _mode, _kernel = _probe(kernel_path(), _capability())
+        use_extension(_enabled)
+    if _kernel is not None and not _enabled:
+        return ("clones", "switched off by use_extension(False)")
+    return _mode
 
 
 def extension():
-    """The loaded extension module (for benchmarks: `empty_launch` is the yardstick), or None."""
-    return _state.get("module")
+    """The loaded kernel library (for benchmarks: `empty_launch` is the yardstick), or None."""
+    copy_mode()
+    return _kernel
 
 
 def use_extension(enabled: bool) -> None:
     """Switch the fast path on or off (tests and benchmarks compare both); off means clones."""
-    global _ext, _enabled
+    global _enabled, _snapshot
     _enabled = bool(enabled)
-    _ext = _state.get("module") if _enabled else None
+    _snapshot = _kernel.snapshot if (_kernel is not None and _enabled) else None
+
+
+def _capability() -> Optional[tuple]:
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def runs_on(capability: tuple, archs: str) -> bool:
+    """Whether code built for `archs` (TORCH_CUDA_ARCH_LIST entries) runs on a GPU of
+    `capability`: machine code for X.Y runs on X.Z with Z >= Y (X.Ya on X.Y only),
+    +PTX on any later GPU (the driver compiles it)."""
+    for arch in archs.split():
+        m = _ARCH.fullmatch(arch)
+        if not m:
+            continue
+        built = (int(m[1]), int(m[2]))
+        if m[4] and m[3] != "a" and tuple(capability) >= built:
+            return True
+        if capability[0] == built[0] and (capability[1] == built[1] if m[3] == "a" else capability[1] >= built[1]):
+            return True
+    return False
+
+
+def _info(kernel) -> dict:
+    return dict(part.partition("=")[::2] for part in kernel.build_info().split(";"))
+
+
+def load(path: str):
+    """Load the kernel file with Python's extension loader, by path; check that it was
+    built from these sources against this torch. Returns (module, its arch list)."""
+    import importlib.machinery
+    import importlib.util
+
+    import torch  # the library links against the libraries torch has loaded
+
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, path)
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+    kernel = importlib.util.module_from_spec(spec)
+    loader.exec_module(kernel)
+    info = _info(kernel)
+    if info.get("source") != SOURCE_HASH:
+        raise ImportError(f"built from other sources ({info.get('source')}; this pack's: {SOURCE_HASH})")
+    if info.get("torch") != torch.__version__:
+        raise ImportError(f"built against torch {info.get('torch')}, this is torch {torch.__version__}")
+    return kernel, info.get("archs", "")
+
+
+def _probe(path: str, capability: Optional[tuple]):
+    """((mode, detail), loaded library or None) for a GPU of `capability` (None: no CUDA)."""
+    if capability is None:
+        return ("clones", "no CUDA"), None
+    if not os.path.isfile(path):
+        return ("clones", f"kernel not built ({path} missing)"), None
+    try:
+        kernel, archs = load(path)
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the clones in place
+        return ("clones", f"load error: {path}: {type(exc).__name__}: {str(exc).strip()[-300:]}"), None
+    if not runs_on(capability, archs):
+        return ("clones", f"arch sm_{capability[0]}{capability[1]} not in the build ({archs})"), None
+    return ("one-launch", path), kernel
+
+
+# --- the build (image build time; needs nvcc, no GPU) -------------------------------------
+
+def _arch_list(archs: str) -> str:
+    items = archs.replace(";", " ").split()
+    bad = [a for a in items if not _ARCH.fullmatch(a)]
+    if not items or bad:
+        raise ValueError(f"--archs {archs!r}: expected entries like 9.0, 10.0, 9.0a, 9.0+PTX")
+    return " ".join(items)
+
+
+def build(out: str, archs: str = DEFAULT_ARCHS, verbose: bool = False) -> str:
+    """Compile the kernel library for `archs`, check it loads in a fresh interpreter,
+    and move it to `out`. Raises on any failure; `out` is only written on success."""
+    import torch
+    from torch.utils import cpp_extension
+
+    archs = _arch_list(archs)
+    nvcc = os.path.join(cpp_extension.CUDA_HOME or "", "bin", "nvcc")
+    if not cpp_extension.CUDA_HOME or not os.access(nvcc, os.X_OK):
+        raise RuntimeError(f"no CUDA compiler (CUDA_HOME={cpp_extension.CUDA_HOME!r}, no {nvcc})")
+    if torch.version.cuda is None:
+        raise RuntimeError(f"torch {torch.__version__} is built without CUDA")
+    info = f"archs={archs};source={SOURCE_HASH};torch={torch.__version__}"
+    cpp = _CPP_SOURCE + f'std::string build_info() {{ return "{info}"; }}\n'
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # torch's way to name the targets
+    # Our own includes only, where this torch allows it (faster; same code either way).
+    light = "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    staged = f"{out}.{os.getpid()}.tmp"  # beside `out`: os.replace does not cross file systems
+    try:
+        with tempfile.TemporaryDirectory(prefix="accept-snapshot-") as tmp:
+            cpp_extension.load_inline(
+                name=MODULE, cpp_sources=cpp, cuda_sources=_CUDA_SOURCE, functions=_FUNCTIONS,
+                extra_cflags=["-O2"], extra_cuda_cflags=["-O2"], build_directory=tmp,
+                with_pytorch_error_handling=False, verbose=verbose, **({"no_implicit_headers": True} if light else {}),
+            )
+            shutil.copyfile(os.path.join(tmp, f"{MODULE}.so"), staged)
+        # Loaded as a rank will load it: a fresh interpreter, by path, no build folder.
+        check = subprocess.run(
+            [sys.executable, "-P", "-c", f"from adapter.accept_snapshot import load; print(load({staged!r})[1])"],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": _pack_root()},
+        )
+        if check.returncode != 0 or check.stdout.strip() != archs:
+            raise RuntimeError(f"the built kernel does not load: {(check.stdout + check.stderr).strip()[-1500:]}")
+        os.chmod(staged, 0o644)
+        os.replace(staged, out)
+    finally:
+        if os.path.exists(staged):
+            os.remove(staged)
+    return out
+
+
+def _pack_root() -> str:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -P -m adapter.accept_snapshot", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile the kernel file (image build time)")
+    b.add_argument("--archs", default=DEFAULT_ARCHS, help=f"TORCH_CUDA_ARCH_LIST entries (default {DEFAULT_ARCHS!r})")
+    b.add_argument("--out", default=None, help=f"where to put it (default ${PATH_ENV}, else {DEFAULT_PATH})")
+    b.add_argument("--allow-clones", default="0",
+                   help="1: a failed build is not an error, the fence will use clones; 0 (default): it fails")
+    b.add_argument("--verbose", action="store_true")
+    sub.add_parser("mode", help="print copy_mode() for this process")
+    args = parser.parse_args(argv)
+    if args.command == "mode":
+        print(*copy_mode(), sep=": ")
+        return 0
+    if args.allow_clones not in ("0", "1"):
+        print(f"accept_snapshot build: --allow-clones (ALLOW_CLONE_FENCE) must be 0 or 1, not {args.allow_clones!r}",
+              file=sys.stderr)
+        return 2
+    out = args.out or kernel_path()
+    try:
+        print(f"accept_snapshot: built {build(out, args.archs, args.verbose)} for {_arch_list(args.archs)}")
+        return 0
+    except Exception as exc:  # noqa: BLE001 - reported, then the allow rule decides
+        reason = f"{type(exc).__name__}: {str(exc).strip()[-3000:]}"
+    if args.allow_clones == "1":
+        print(f"accept_snapshot: NOT BUILT, the fence will use clones (allowed by ALLOW_CLONE_FENCE=1): {reason}",
+              file=sys.stderr)
+        return 0
+    print(f"accept_snapshot: the kernel did not build or load: {reason}\n"
+          "Fix the build, or build with --build-arg ALLOW_CLONE_FENCE=1 to ship an image whose fence uses clones.",
+          file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,8 +11,16 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
   sleep0_launch    torch.cuda._sleep(0): one near-empty kernel launched through torch
   unfenced         the engine's folded call, unpatched (returns views of the buffers)
   clones6          unfenced call + six per-field clones (what the upstream fix does)
-  fence            the pack's fence installed: one fresh block, one launch (accept_snapshot)
+  fence            the pack's fence installed: one fresh block, one launch (accept_snapshot,
+                   the prebuilt kernel file loaded by path)
   fence_clones     the pack's fence installed with its fallback (plain clones)
+  proto            issue 13 part 4, prototype: a wrapt wrapper that on the folded path does
+                   what the engine's folded branch does (note_static_verify(bs)) and hands the
+                   one-launch snapshot six [:bs] views of the epilogue's persistent buffers,
+                   cached per batch size (rebuilt if a buffer object changed), instead of
+                   calling the unfenced path and copying its result
+  proto_nocheck    proto without the buffer-identity check (what the check costs)
+  proto_plain      proto's body as a plain function in place of the method (what wrapt costs)
   ring_replay      unfenced call + one CUDA-graph replay copying the six slices into a
                    preallocated slot set + a struct of cached views: the floor of the
                    "ring of slots" design, without the guard it would need
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import pathlib
 import platform
@@ -40,11 +49,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import wrapt  # noqa: E402
 
 from adapter import accept_snapshot, folded_fence  # noqa: E402
 from tests.test_fence_gpu import STRIDE, folded_kwargs  # noqa: E402  (the worker's arguments, as the GPU test passes them)
 
 FIELDS = folded_fence.FIELDS
+DETACH = folded_fence.detach_accept  # the fence's own copy step (wrapped_noop swaps it out)
 
 
 def build(max_bs: int):
@@ -62,30 +73,79 @@ def build(max_bs: int):
     # On the folded path accept_and_finalize reads only self.verify_epilogue.
     executor = object.__new__(verify.TargetVerifyExecutor)
     executor.verify_epilogue = epilogue
+    folded_fence.uninstall(verify)
     return verify, epilogue, executor, device
 
 
-def variants(verify, epilogue, executor, device, bs: int) -> dict:
+ORIGINAL = "accept_and_finalize"
+
+
+def proto_fence(verify, snapshot, original, check: bool = True):
+    """Issue 13 part 4, prototype: the folded branch's body done here (note_static_verify,
+    then the [:bs] views read_accept would make, cached per bs), the views handed straight
+    to the one-launch snapshot. Fresh memory per call, as the fence; no unfenced call, no
+    second struct. Returns (wrapt wrapper, plain method) sharing that body."""
+    AcceptOuts = verify.AcceptOuts
+    bufs_of = operator.attrgetter(*(f"{name}_buf" for name in FIELDS))
+    cache = {}  # bs -> (the buffer objects, their [:bs] views)
+
+    def folded(epilogue, bs):
+        epilogue.note_static_verify(bs)  # what the folded branch does before read_accept(bs)
+        hit = cache.get(bs)
+        if hit is None or (check and not all(map(operator.is_, hit[0], bufs_of(epilogue)))):
+            bufs = bufs_of(epilogue)  # first call at this bs, or the engine replaced a buffer
+            hit = cache[bs] = (bufs, [buf[:bs] for buf in bufs])
+        return AcceptOuts(**dict(zip(FIELDS, snapshot(hit[1]))))
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if kwargs.get("folded_accept"):
+            return folded(instance.verify_epilogue, kwargs["bs"])
+        return wrapped(*args, **kwargs)
+
+    def plain(self, *args, **kwargs):
+        if kwargs.get("folded_accept"):
+            return folded(self.verify_epilogue, kwargs["bs"])
+        return original(self, *args, **kwargs)
+
+    return wrapper, plain
+
+
+def check_detached(verify, epilogue, outs, bs: int) -> None:
+    """A variant's result has the engine's type, the buffers' values, dtypes and shapes,
+    and owns its memory (no buffer aliased)."""
+    views = epilogue.read_accept(bs)
+    assert type(outs) is verify.AcceptOuts, type(outs)
+    for name in FIELDS:
+        mine, theirs = getattr(outs, name), getattr(views, name)
+        assert (mine.dtype, mine.shape, mine.is_contiguous()) == (theirs.dtype, theirs.shape, True), name
+        assert torch.equal(mine, theirs), name
+        buf = getattr(epilogue, f"{name}_buf").untyped_storage()
+        assert mine.untyped_storage().data_ptr() != buf.data_ptr(), name
+
+
+def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
     """name -> (setup, call): setup puts the module in the variant's state (untimed)."""
     kw = folded_kwargs(bs, device)
     ext = accept_snapshot.extension()
     AcceptOuts = verify.AcceptOuts
-
-    detach = folded_fence.detach_accept
+    TVE = verify.TargetVerifyExecutor
 
     def unpatched():
         folded_fence.uninstall(verify)
-        folded_fence.detach_accept = detach
+        setattr(TVE, ORIGINAL, original)  # drops a prototype's wrapper too
+        folded_fence.detach_accept = DETACH
+        accept_snapshot.use_extension(True)
 
     def wrapped_noop():
         # The fence's wrapper with a detach that does nothing: the wrapper's own cost.
+        unpatched()
         folded_fence.install(verify)
         folded_fence.detach_accept = lambda outs: outs
 
     def fenced(one_launch: bool):
         def setup():
+            unpatched()
             folded_fence.install(verify)
-            folded_fence.detach_accept = detach
             accept_snapshot.use_extension(one_launch)
 
         return setup
@@ -141,9 +201,31 @@ def variants(verify, epilogue, executor, device, bs: int) -> dict:
         "cat_bytes": (unpatched, cat_bytes),
     }
     if ext is not None:
-        table = {"empty_launch": (unpatched, ext.empty_launch), **table, "snapshot_call": (unpatched, snapshot_call)}
+        def proto(method):
+            def setup():
+                unpatched()
+                setattr(TVE, ORIGINAL, method)
+
+            return setup
+
+        wrapper, plain = proto_fence(verify, ext.snapshot, original)
+        nocheck, _ = proto_fence(verify, ext.snapshot, original, check=False)
+        protos = {
+            "proto": (proto(wrapt.FunctionWrapper(original, wrapper)), lambda: executor.accept_and_finalize(**kw)),
+            "proto_nocheck": (proto(wrapt.FunctionWrapper(original, nocheck)), lambda: executor.accept_and_finalize(**kw)),
+            "proto_plain": (proto(plain), lambda: executor.accept_and_finalize(**kw)),
+        }
+        table = {"empty_launch": (unpatched, ext.empty_launch), **table, **protos, "snapshot_call": (unpatched, snapshot_call)}
     else:
         table.pop("fence")
+    # Every fenced variant returns detached copies of the right values (checked untimed).
+    for name in ("fence", "fence_clones", "proto", "proto_nocheck", "proto_plain"):
+        if name in table:
+            table[name][0]()
+            first, second = table[name][1](), table[name][1]()
+            check_detached(verify, epilogue, first, bs)
+            assert first.correct_len.data_ptr() != second.correct_len.data_ptr(), f"{name}: memory reused"
+    unpatched()
     return table
 
 
@@ -184,12 +266,14 @@ def main(argv=None) -> int:
         return 2
 
     t0 = time.perf_counter()
-    ext_state = accept_snapshot.prepare()
-    build_s = time.perf_counter() - t0
+    copy_mode = accept_snapshot.copy_mode()  # loads the prebuilt kernel file, compiles nothing
+    load_s = time.perf_counter() - t0
+    print(f"accept_snapshot.copy_mode(): {copy_mode} ({load_s:.2f} s)", flush=True)
     verify, epilogue, executor, device = build(max(args.bs))
+    original = vars(verify.TargetVerifyExecutor)[ORIGINAL]  # the engine's own (build() unpatched it)
     results = {}
     for bs in args.bs:
-        table = variants(verify, epilogue, executor, device, bs)
+        table = variants(verify, epilogue, executor, device, bs, original)
         samples = {name: [] for name in table}
         for name, (setup, call) in table.items():  # warm-up
             setup()
@@ -205,6 +289,7 @@ def main(argv=None) -> int:
                 setup()
                 counts[name] = launches(call)
         folded_fence.uninstall(verify)
+        setattr(verify.TargetVerifyExecutor, ORIGINAL, original)
         accept_snapshot.use_extension(True)
         results[bs] = {
             name: {
@@ -248,7 +333,7 @@ def main(argv=None) -> int:
         launch_txt = f"{c['launch_calls']}/{c['device_kernels']}" if "launch_calls" in c else "-"
         print(f"{name:<14}" + "".join(cells) + f"{launch_txt:>10}")
     print("launches = CUDA runtime launch/copy calls / kernels on the device, per call")
-    print(f"accept_snapshot: {ext_state} (prepare took {build_s:.1f} s)")
+    print(f"accept_snapshot.copy_mode(): {copy_mode} (first call {load_s:.2f} s)")
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -257,7 +342,7 @@ def main(argv=None) -> int:
             "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
             "calls": args.calls, "reps": args.reps, "stride": STRIDE, "yardstick": yard,
-            "accept_snapshot": ext_state, "prepare_s": round(build_s, 1),
+            "copy_mode": list(copy_mode), "copy_mode_first_call_s": round(load_s, 3),
             "results": {str(bs): row for bs, row in results.items()},
             "over_unfenced": {str(bs): row for bs, row in summary.items()},
         }, indent=1))

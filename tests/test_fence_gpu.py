@@ -15,7 +15,10 @@ reproduce and the test fails rather than pass). Fenced, it must read step N in a
 six fields, over many trials, at bs 1, 8, 64 and 256, for both ways the fence copies
 (one launch into a fresh block, and the plain clones it falls back to).
 
-Skipped without CUDA. Run on a GPU machine: `python -m pytest tests/test_fence_gpu.py -q`.
+The one-launch copy comes from the prebuilt kernel file ($SGLANG_ADAPTERS_SNAPSHOT_KERNEL, built
+with `python3 -P -m adapter.accept_snapshot build`, as the image does); without it those tests
+fail with copy_mode()'s reason. Skipped without CUDA. Run on a GPU machine:
+`python -m pytest tests/test_fence_gpu.py -q`.
 """
 
 from __future__ import annotations
@@ -151,6 +154,20 @@ def _require_stall(stalled: bool, bs: int) -> None:
         )
 
 
+def require_one_launch() -> None:
+    accept_snapshot.use_extension(True)
+    mode = accept_snapshot.copy_mode()
+    if mode[0] != "one-launch":
+        pytest.fail(f"the one-launch snapshot is not available on this machine: {mode}")
+
+
+def test_copy_mode_is_the_prebuilt_kernel_file():
+    """The fence loads the kernel file by path (no compiler, no cache) and says so."""
+    require_one_launch()
+    assert accept_snapshot.copy_mode() == ("one-launch", accept_snapshot.kernel_path())
+    assert accept_snapshot.extension().__file__ == accept_snapshot.kernel_path()
+
+
 @pytest.mark.parametrize("bs", BATCH_SIZES)
 def test_unfenced_readback_reads_a_later_step(gpu, bs):
     folded_fence.uninstall(gpu.module)
@@ -171,9 +188,7 @@ def test_unfenced_readback_reads_a_later_step(gpu, bs):
 @pytest.mark.parametrize("bs", BATCH_SIZES)
 def test_fenced_readback_reads_step_n(gpu, bs, mechanism):
     if mechanism == "one_launch":
-        state = accept_snapshot.prepare()
-        if not state["in_use"]:
-            pytest.fail(f"the one-launch snapshot is not available on this machine: {state}")
+        require_one_launch()
     accept_snapshot.use_extension(mechanism == "one_launch")
     assert folded_fence.install(gpu.module).state == "applied"
     try:
@@ -195,7 +210,7 @@ def test_fenced_call_is_one_launch_and_detached(gpu):
     with the buffers' dtypes and shapes, and aliases none of the buffers."""
     from torch.profiler import ProfilerActivity, profile
 
-    assert accept_snapshot.prepare()["in_use"], accept_snapshot.status()
+    require_one_launch()
     folded_fence.install(gpu.module)
     try:
         kwargs = folded_kwargs(64, gpu.device)

@@ -355,3 +355,67 @@ def test_a_bad_flag_value_stops_the_launch_before_the_engine(image, bad):
     assert f"[sglang-adapters] the engine must not start: DSV41_FOLDED_FENCE={bad!r} is not understood" in done.stderr
     # The engine's launcher never ran: its parser said nothing, its launch_server warned nothing.
     assert "usage:" not in done.stderr and "sglang.launch_server" not in done.stderr
+
+
+# --- the fence's kernel build step, re-enacted --------------------------------------------
+# The RUN that builds the snapshot kernel, run as docker runs it: the Dockerfile's SHELL, its
+# ARGs (defaults, overridden like --build-arg) and ENVs in the environment, in the image's
+# Python. CUDA_HOME pointing nowhere makes the build fail as on a base image without nvcc.
+KERNEL_STEP = "adapter.accept_snapshot build"
+
+
+def dockerfile_env() -> dict[str, str]:
+    return dict(a.split("=", 1) for i, a in dockerfile_instructions() if i == "ENV")
+
+
+def kernel_build_step() -> str:
+    (step,) = [a for i, a in dockerfile_instructions() if i == "RUN" and KERNEL_STEP in a]
+    return step
+
+
+def run_kernel_step(image: Image, kernel: Path, build_args: dict[str, str], env: dict[str, str]):
+    args = {k: v.strip('"') for k, v in dockerfile_args().items()} | build_args
+    environ = args | dockerfile_env() | {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)} | env
+    done = subprocess.run(dockerfile_value("SHELL") + [kernel_build_step()], cwd=image.workdir,
+                          env=image.env(environ), capture_output=True, text=True, timeout=200)
+    return done
+
+
+def test_the_kernel_step_builds_what_the_ranks_load():
+    from adapter import accept_snapshot
+
+    args, env, step = dockerfile_args(), dockerfile_env(), kernel_build_step()
+    assert args["SNAPSHOT_KERNEL_ARCHS"].strip('"') == accept_snapshot.DEFAULT_ARCHS == "9.0 10.0"
+    assert args["ALLOW_CLONE_FENCE"] == "0", "the clone fallback must be asked for explicitly"
+    # The file the build writes is the one every rank loads (the ENV is the image's environment).
+    assert env[accept_snapshot.PATH_ENV] == accept_snapshot.DEFAULT_PATH
+    assert '--archs "${SNAPSHOT_KERNEL_ARCHS}"' in step and '--allow-clones "${ALLOW_CLONE_FENCE}"' in step
+    assert step.startswith("python3 -P -m ") and step.endswith("&& sglang-adapters doctor --strict")
+    labels = " ".join(a for i, a in dockerfile_instructions() if i == "LABEL")
+    assert '.clone-fence-allowed="${ALLOW_CLONE_FENCE}"' in labels
+    assert "TORCH_EXTENSIONS_DIR" not in DOCKERFILE.read_text(), "no JIT cache at run time"
+
+
+@pytest.mark.parametrize("allow", ["0", "yes"])
+def test_a_failed_kernel_build_fails_the_image(image, tmp_path, allow):
+    kernel = tmp_path / "opt" / "dsv41_accept_snapshot.so"
+    done = run_kernel_step(image, kernel, {"ALLOW_CLONE_FENCE": allow}, {"CUDA_HOME": str(tmp_path / "no-cuda")})
+    assert done.returncode != 0, done.stdout + done.stderr
+    if allow == "0":
+        assert "the kernel did not build or load: RuntimeError: no CUDA compiler" in done.stderr, done.stderr
+        assert "ALLOW_CLONE_FENCE=1" in done.stderr
+    else:
+        assert "must be 0 or 1, not 'yes'" in done.stderr, done.stderr
+    assert not kernel.exists() and "sglang-adapters doctor" not in done.stdout
+
+
+def test_allow_clone_fence_ships_the_image_without_the_kernel(image, tmp_path):
+    kernel = tmp_path / "opt" / "dsv41_accept_snapshot.so"
+    done = run_kernel_step(image, kernel, {"ALLOW_CLONE_FENCE": "1"}, {"CUDA_HOME": str(tmp_path / "no-cuda")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "NOT BUILT, the fence will use clones (allowed by ALLOW_CLONE_FENCE=1)" in done.stderr
+    assert not kernel.exists() and not list(kernel.parent.glob("*"))
+    # What a rank on an H200 of that image would say (no GPU here: the loader asked directly).
+    code = "from adapter import accept_snapshot as a; print(a._probe(a.kernel_path(), (9, 0))[0])"
+    probe = image.run(["python", "-c", code], {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)})
+    assert probe.stdout.strip() == str(("clones", f"kernel not built ({kernel} missing)")), probe.stderr

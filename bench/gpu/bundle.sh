@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
 # Prepare, on this (CPU) machine, what the lent H200 needs to run tests/test_fence_gpu.py and
 # bench/fence_cost.py against the real engine: it has Python 3.12 and torch but no registry.
-#   .gpu/  sglang 0.5.23's .py sources (from .venv) as a tarball, this folder's scripts and stubs
-#   .whl/  the engine's pure-Python and cp312 dependencies, pinned, as wheels
-# Both are ignored by git (.git/info/exclude); carry them: run(command="bash .gpu/run.sh",
-# carry=[".gpu", ".whl"]). About 23 MiB together.
+#   bash bench/gpu/bundle.sh [DEST]     (DEST: default the repository root)
+#   DEST/.gpu/   sglang 0.5.23's .py sources (from .venv) as a tarball, this folder's scripts and stubs
+#   DEST/.whl/   the engine's pure-Python and cp312 dependencies, pinned, as wheels
+#   DEST/.dist/  the pack's wheel, built as the image's builder stage builds it
+# Keep DEST's copies out of git (.git/info/exclude) and carry them. The device tool sends the main
+# checkout only: from a worktree, copy its files into an ignored folder of the main checkout and
+# bundle into that folder (about 24 MiB):
+#   git archive HEAD | tar -x -C /work/main/.wt13 && bash bench/gpu/bundle.sh /work/main/.wt13
+#   run(command="cd .wt13 && bash bench/gpu/run.sh", carry=[".wt13"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qx '/.gpu/' .git/info/exclude || echo '/.gpu/' >> .git/info/exclude
-grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
-rm -rf .gpu && mkdir -p .gpu .whl
-cp -r bench/gpu/setup.sh bench/gpu/run.sh bench/gpu/stubs .gpu/
+DEST=$(realpath "${1:-.}")
+if [ "$DEST" = "$PWD" ]; then
+  exclude=$(git rev-parse --git-path info/exclude)
+  for p in /.gpu/ /.whl/ /.dist/; do grep -qx "$p" "$exclude" || echo "$p" >> "$exclude"; done
+fi
+rm -rf "$DEST/.gpu" "$DEST/.dist" && mkdir -p "$DEST/.gpu" "$DEST/.whl" "$DEST/.dist"
+cp -r bench/gpu/setup.sh bench/gpu/run.sh bench/gpu/stubs "$DEST/.gpu/"
 site=$(.venv/bin/python -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent)')
-(cd "$site" && find sglang -name '*.py' -print0 | tar --null -T - -cJf - ) > .gpu/sglang-src.tar.xz
+(cd "$site" && find sglang -name '*.py' -print0 | tar --null -T - -cJf - ) > "$DEST/.gpu/sglang-src.tar.xz"
 .venv/bin/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
   --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl \
+  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$DEST/.whl" \
   annotated_types==0.8.0 apache_tvm_ffi==0.1.15.post2 asttokens==3.0.2 compressed_tensors==0.20.1 decorator==5.3.1 \
   dill==0.4.1 distro==1.9.0 executing==2.3.0 fastapi==0.165.0 gguf==0.19.0 \
   ipython==9.18.1 ipython_pygments_lexers==1.1.1 jedi==0.20.1 jiter==0.19.0 loguru==0.7.3 \
@@ -25,4 +33,7 @@ site=$(.venv/bin/python -c 'import importlib.util, pathlib; print(pathlib.Path(i
   pure_eval==0.2.4 pybase64==1.5.1 pydantic==2.14.4 pydantic_core==2.50.5 pyzmq==27.3.0 \
   setproctitle==1.3.8 sniffio==1.3.1 stack_data==0.6.3 starlette==1.10.0 traitlets==5.16.1 \
   truststore==0.10.5 typing_inspection==0.4.5 uvicorn==0.54.0 wcwidth==0.9.4
-du -sh .gpu .whl
+# The pack's wheel from a copy of what the Dockerfile's builder stage copies (no build/ left here).
+src=$(mktemp -d) && cp -r pyproject.toml entrypoint.py README.md adapter "$src/"
+.venv/bin/python -m pip wheel --quiet --no-deps "$src" -w "$DEST/.dist" && rm -rf "$src"
+du -sh "$DEST/.gpu" "$DEST/.whl" "$DEST/.dist"

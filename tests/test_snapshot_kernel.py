@@ -1,0 +1,178 @@
+"""The fence's prebuilt kernel file, on the CPU: how accept_snapshot loads it and why it falls back.
+
+No GPU here, so `copy_mode()` itself says "no CUDA"; the loader's decision for a GPU is tested
+through `_probe(path, capability)` with the capability such a GPU reports. Where a CUDA compiler
+is found (CUDA_HOME, else /usr/local/cuda), a real kernel file is built once for sm_80 with the
+command the image build runs (`python3 -P -m adapter.accept_snapshot build`) and loaded by path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from adapter import accept_snapshot
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(300)
+
+
+def cuda_home() -> str | None:
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    return home if os.access(os.path.join(home, "bin", "nvcc"), os.X_OK) else None
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The module's command line, as the Dockerfile runs it (`python3 -P -m ...`)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-P", "-m", "adapter.accept_snapshot", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=280)
+
+
+@pytest.fixture(scope="module")
+def sm80(tmp_path_factory) -> Path:
+    """A real kernel file for sm_80 only (one architecture: the quickest build, ~45 s on 2 cores)."""
+    home = cuda_home()
+    if home is None:
+        pytest.skip("no CUDA compiler here (set CUDA_HOME): the kernel file cannot be built")
+    out = tmp_path_factory.mktemp("kernel") / "sm80" / "dsv41_accept_snapshot.so"
+    done = cli("build", "--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home})
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert out.is_file() and not list(out.parent.glob("*.tmp"))
+    return out
+
+
+# --- without a kernel file ---------------------------------------------------------------
+
+def test_copy_mode_without_cuda_says_so_and_compiles_nothing(tmp_path):
+    """In a fresh interpreter: no GPU, so clones, "no CUDA"; torch's compiler machinery is not
+    even imported, and nothing is written."""
+    code = ("import sys; from adapter import accept_snapshot as a; print(a.copy_mode());"
+            "print('torch.utils.cpp_extension' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "",
+           accept_snapshot.PATH_ENV: str(tmp_path / "k.so"), "HOME": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["('clones', 'no CUDA')", "False"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_path_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(accept_snapshot.PATH_ENV, raising=False)
+    assert accept_snapshot.kernel_path() == accept_snapshot.DEFAULT_PATH
+    monkeypatch.setenv(accept_snapshot.PATH_ENV, "/x/k.so")
+    assert accept_snapshot.kernel_path() == "/x/k.so"
+
+
+def test_a_missing_file_means_clones_kernel_not_built(tmp_path):
+    path = str(tmp_path / "dsv41_accept_snapshot.so")
+    assert accept_snapshot._probe(path, (9, 0)) == (("clones", f"kernel not built ({path} missing)"), None)
+    assert accept_snapshot._probe(path, None) == (("clones", "no CUDA"), None)
+
+
+def test_a_corrupt_file_means_clones_load_error(tmp_path):
+    path = tmp_path / "dsv41_accept_snapshot.so"
+    path.write_bytes(b"\x7fELF not really" * 64)
+    (mode, reason), kernel = accept_snapshot._probe(str(path), (9, 0))
+    assert (mode, kernel) == ("clones", None)
+    assert reason.startswith(f"load error: {path}: ImportError: "), reason
+
+
+@pytest.mark.parametrize(
+    "capability, archs, runs",
+    [
+        ((9, 0), "9.0 10.0", True),
+        ((10, 0), "9.0 10.0", True),
+        ((10, 3), "9.0 10.0", True),  # sm_100 machine code runs on 10.3
+        ((8, 0), "9.0 10.0", False),
+        ((12, 0), "9.0 10.0", False),  # another major: no machine code, no PTX
+        ((12, 0), "9.0 10.0+PTX", True),  # the driver compiles the PTX
+        ((9, 0), "9.0a", True),
+        ((9, 1), "9.0a", False),  # arch-specific code runs on that one arch only
+        ((8, 6), "8.0", True),
+    ],
+)
+def test_which_gpus_a_build_serves(capability, archs, runs):
+    assert accept_snapshot.runs_on(capability, archs) is runs
+
+
+@pytest.mark.parametrize("archs", ["", "sm_90", "9", "Hopper", "9.0,10.0"])
+def test_an_arch_list_the_loader_could_not_check_is_refused(archs):
+    with pytest.raises(ValueError, match="--archs"):
+        accept_snapshot._arch_list(archs)
+
+
+def test_the_build_command_fails_on_it_and_writes_nothing(tmp_path):
+    done = cli("build", "--archs", "sm_90", "--out", str(tmp_path / "k.so"))
+    assert done.returncode == 1 and "ValueError: --archs 'sm_90'" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- detach: the struct is rebuilt with keywords -------------------------------------------
+
+class KwOnlyOuts(msgspec.Struct, kw_only=True):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+def test_detach_rebuilds_a_keyword_only_struct():
+    outs = KwOnlyOuts(first=torch.arange(4), second=torch.ones(2, 3, dtype=torch.int32))
+    for copy in (accept_snapshot.detach(outs, ("first", "second")),
+                 accept_snapshot.clone_detach(outs, ("first", "second"))):
+        assert type(copy) is KwOnlyOuts
+        for name in ("first", "second"):
+            mine, theirs = getattr(copy, name), getattr(outs, name)
+            assert torch.equal(mine, theirs) and mine.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
+
+
+# --- a real kernel file (needs nvcc, no GPU) ------------------------------------------------
+
+def test_a_kernel_for_another_arch_means_clones(sm80):
+    assert accept_snapshot._probe(str(sm80), (9, 0)) == (("clones", "arch sm_90 not in the build (8.0)"), None)
+
+
+def test_a_kernel_for_this_arch_is_loaded_by_path(sm80):
+    for capability in ((8, 0), (8, 6)):
+        (mode, where), kernel = accept_snapshot._probe(str(sm80), capability)
+        assert (mode, where) == ("one-launch", str(sm80)) and kernel.__file__ == str(sm80)
+    info = accept_snapshot._info(kernel)
+    assert info == {"archs": "8.0", "source": accept_snapshot.SOURCE_HASH, "torch": torch.__version__}
+    # The binding takes a list of tensors; CPU tensors take its clone path.
+    a, b = torch.arange(5), torch.ones(2, 2)
+    got = kernel.snapshot([a, b])
+    assert torch.equal(got[0], a) and torch.equal(got[1], b) and got[0].data_ptr() != a.data_ptr()
+
+
+def test_a_kernel_from_other_sources_is_not_used(sm80, monkeypatch):
+    monkeypatch.setattr(accept_snapshot, "SOURCE_HASH", "0" * 16)
+    (mode, reason), kernel = accept_snapshot._probe(str(sm80), (8, 0))
+    assert (mode, kernel) == ("clones", None)
+    assert "built from other sources" in reason and reason.startswith(f"load error: {sm80}: "), reason
+
+
+def test_the_kernel_file_loads_read_only_from_a_fresh_interpreter(sm80, tmp_path):
+    """What a rank does: load the file by path, here from a read-only folder, writing nothing."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    kernel = folder / "k.so"
+    kernel.write_bytes(sm80.read_bytes())
+    kernel.chmod(0o444)
+    folder.chmod(0o555)
+    try:
+        code = ("from adapter import accept_snapshot as a; (mode, where), k = a._probe(a.kernel_path(), (8, 0));"
+                "print(mode, where == k.__file__)")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), accept_snapshot.PATH_ENV: str(kernel),
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        done = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (0, "one-launch True"), done.stderr
+        assert sorted(p.name for p in folder.iterdir()) == ["k.so"]
+    finally:
+        folder.chmod(0o755)
