@@ -51,8 +51,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import wrapt  # noqa: E402
 
-from adapter import accept_snapshot, folded_fence  # noqa: E402
-from tests.test_fence_gpu import STRIDE, folded_kwargs  # noqa: E402  (the worker's arguments, as the GPU test passes them)
+from adapter import accept_snapshot, folded_fence, runtime  # noqa: E402
+# the worker's arguments, as the GPU test passes them, and the fence switched on as a rank does
+from tests.test_fence_gpu import STRIDE, fence_on, folded_kwargs  # noqa: E402
+
 
 FIELDS = folded_fence.FIELDS
 DETACH = folded_fence.detach_accept  # the fence's own copy step (wrapped_noop swaps it out)
@@ -73,7 +75,7 @@ def build(max_bs: int):
     # On the folded path accept_and_finalize reads only self.verify_epilogue.
     executor = object.__new__(verify.TargetVerifyExecutor)
     executor.verify_epilogue = epilogue
-    folded_fence.uninstall(verify)
+    runtime.revert()
     return verify, epilogue, executor, device
 
 
@@ -131,7 +133,7 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
     TVE = verify.TargetVerifyExecutor
 
     def unpatched():
-        folded_fence.uninstall(verify)
+        runtime.revert()
         setattr(TVE, ORIGINAL, original)  # drops a prototype's wrapper too
         folded_fence.detach_accept = DETACH
         accept_snapshot.use_extension(True)
@@ -139,13 +141,13 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
     def wrapped_noop():
         # The fence's wrapper with a detach that does nothing: the wrapper's own cost.
         unpatched()
-        folded_fence.install(verify)
+        fence_on()
         folded_fence.detach_accept = lambda outs: outs
 
     def fenced(one_launch: bool):
         def setup():
             unpatched()
-            folded_fence.install(verify)
+            fence_on()
             accept_snapshot.use_extension(one_launch)
 
         return setup
@@ -288,7 +290,7 @@ def main(argv=None) -> int:
             for name, (setup, call) in table.items():
                 setup()
                 counts[name] = launches(call)
-        folded_fence.uninstall(verify)
+        runtime.revert()
         setattr(verify.TargetVerifyExecutor, ORIGINAL, original)
         accept_snapshot.use_extension(True)
         results[bs] = {

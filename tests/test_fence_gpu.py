@@ -29,11 +29,19 @@ import types
 import pytest
 import torch
 
-from adapter import accept_snapshot, folded_fence
+from adapter import accept_snapshot, folded_fence, runtime
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: the race is between real CUDA streams"
 )
+
+
+def fence_on():
+    """Switch the fence on in this process, as the launcher and every rank do; its plan."""
+    decision = runtime.decide({folded_fence.FLAG: "1"}, names=(folded_fence.NAME,))
+    runtime.apply(decision)
+    return decision.plans[folded_fence.NAME]
+
 
 FIELDS = folded_fence.FIELDS
 MAX_BS, STRIDE = 256, 4
@@ -81,12 +89,12 @@ def gpu():
     # accept_and_finalize reads only self.verify_epilogue (note_static_verify, read_accept).
     executor = object.__new__(verify.TargetVerifyExecutor)
     executor.verify_epilogue = epilogue
-    folded_fence.uninstall(verify)
+    runtime.revert()
     yield types.SimpleNamespace(
         module=verify, epilogue=epilogue, executor=executor, device=device, async_d2h=async_d2h,
         forward=torch.cuda.Stream(device), copy=torch.cuda.Stream(device),
     )
-    folded_fence.uninstall(verify)
+    runtime.revert()
     accept_snapshot.use_extension(True)
 
 
@@ -170,7 +178,7 @@ def test_copy_mode_is_the_prebuilt_kernel_file():
 
 @pytest.mark.parametrize("bs", BATCH_SIZES)
 def test_unfenced_readback_reads_a_later_step(gpu, bs):
-    folded_fence.uninstall(gpu.module)
+    runtime.revert()
     warm_up(gpu, bs)
     for trial in range(TRIALS["unfenced"]):
         host, steps, stalled = race(gpu, bs, trial)
@@ -190,7 +198,7 @@ def test_fenced_readback_reads_step_n(gpu, bs, mechanism):
     if mechanism == "one_launch":
         require_one_launch()
     accept_snapshot.use_extension(mechanism == "one_launch")
-    assert folded_fence.install(gpu.module).state == "applied"
+    assert fence_on().state == "applied"
     try:
         warm_up(gpu, bs)
         for trial in range(TRIALS[mechanism]):
@@ -201,7 +209,7 @@ def test_fenced_readback_reads_step_n(gpu, bs, mechanism):
                 f"bs={bs} trial {trial} ({mechanism}): fenced readback did not read step N: {got}"
             )
     finally:
-        folded_fence.uninstall(gpu.module)
+        runtime.revert()
         accept_snapshot.use_extension(True)
 
 
@@ -211,7 +219,7 @@ def test_fenced_call_is_one_launch_and_detached(gpu):
     from torch.profiler import ProfilerActivity, profile
 
     require_one_launch()
-    folded_fence.install(gpu.module)
+    fence_on()
     try:
         kwargs = folded_kwargs(64, gpu.device)
         for _ in range(3):
@@ -233,4 +241,4 @@ def test_fenced_call_is_one_launch_and_detached(gpu):
             buffer = getattr(gpu.epilogue, f"{name}_buf")
             assert mine.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr(), name
     finally:
-        folded_fence.uninstall(gpu.module)
+        runtime.revert()
