@@ -16,7 +16,7 @@ import inspect
 import pathlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -275,8 +275,7 @@ def within(function: str, functions: Iterable[str]) -> bool:
     return any(function == f or function.startswith(f + ".") for f in functions)
 
 
-@dataclass(frozen=True)
-class Found:
+class Found(NamedTuple):
     """A node found in a module's source, with the function that holds it."""
 
     function: str  # qualified name of the enclosing function (Class.method), or "<module>"
@@ -298,10 +297,9 @@ class Index:
 def _parsed(source: str) -> tuple[ast.AST, Index]:
     """The source parsed and indexed once, however many checks read it."""
     tree, index = ast.parse(source), Index()
-    stack = [(tree, ())]
+    stack = [(tree, "<module>")]
     while stack:
-        node, scope = stack.pop()
-        function = ".".join(scope) or "<module>"
+        node, function = stack.pop()
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             index.names.setdefault(node.id, []).append(Found(function, node.lineno, node))
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
@@ -309,8 +307,8 @@ def _parsed(source: str) -> tuple[ast.AST, Index]:
         elif isinstance(node, ast.Call):
             index.calls.append(Found(function, node.lineno, node))
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            scope = scope + (node.name,)
-        stack.extend((child, scope) for child in reversed(list(ast.iter_child_nodes(node))))
+            function = node.name if function == "<module>" else f"{function}.{node.name}"
+        stack.extend((child, function) for child in reversed(list(ast.iter_child_nodes(node))))
     for found in (*index.names.values(), *index.attrs.values(), index.calls):
         found.sort(key=lambda f: (f.line, f.node.col_offset))
     return tree, index
