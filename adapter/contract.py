@@ -227,20 +227,17 @@ class Contract:
                 raise self.refuse("<source>", f"module source is unreadable ({exc}); call sites cannot be checked")
         return self._source
 
-    def tree(self) -> ast.AST:
-        return _parsed(self.source())[0]
-
     def uses(self, name: str, *, attribute: bool = False) -> list["Found"]:
         """Every read of `name` in the module: as a bare name, or with `attribute`, as `x.name`."""
-        index = _parsed(self.source())[1]
+        index = _index(self.source())
         return list(index.attrs.get(name, ()) if attribute else index.names.get(name, ()))
 
     def all_calls(self) -> list["Found"]:
-        return list(_parsed(self.source())[1].calls)
+        return list(_index(self.source()).calls)
 
     def calls(self, name: str, *, method: bool) -> list["Found"]:
         """Calls `name(...)`, or with `method`, `<anything>.name(...)`."""
-        return [f for f in _parsed(self.source())[1].calls
+        return [f for f in _index(self.source()).calls
                 if (isinstance(f.node.func, ast.Attribute) and f.node.func.attr == name if method
                     else isinstance(f.node.func, ast.Name) and f.node.func.id == name)]
 
@@ -294,10 +291,10 @@ class Index:
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed(source: str) -> tuple[ast.AST, Index]:
+def _index(source: str) -> Index:
     """The source parsed and indexed once, however many checks read it."""
-    tree, index = ast.parse(source), Index()
-    stack = [(tree, "<module>")]
+    index = Index()
+    stack = [(ast.parse(source), "<module>")]
     while stack:
         node, function = stack.pop()
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
@@ -311,7 +308,7 @@ def _parsed(source: str) -> tuple[ast.AST, Index]:
         stack.extend((child, function) for child in reversed(list(ast.iter_child_nodes(node))))
     for found in (*index.names.values(), *index.attrs.values(), index.calls):
         found.sort(key=lambda f: (f.line, f.node.col_offset))
-    return tree, index
+    return index
 
 
 def target_modules(adapter: str, engine, targets) -> dict:

@@ -13,10 +13,6 @@ import wrapt
 from .contract import Patch
 
 
-class AdapterWrapper(wrapt.FunctionWrapper):
-    """A wrapt FunctionWrapper (signature and introspection of the original survive)."""
-
-
 @dataclass(frozen=True)
 class Saved:
     adapter: str
@@ -51,7 +47,7 @@ def apply(patch: Patch, adapter: str) -> bool:
             return False
         revert(patch.owner, patch.name)
     original = vars(patch.owner)[patch.name]  # the owner's own attribute: no binding, no inheritance
-    replacement = patch.proxy(original) if patch.proxy else AdapterWrapper(original, patch.wrapper)
+    replacement = patch.proxy(original) if patch.proxy else wrapt.FunctionWrapper(original, patch.wrapper)  # signature and introspection survive
     setattr(patch.owner, patch.name, replacement)
     _saved[key(patch.owner, patch.name)] = Saved(adapter, patch, original, replacement)
     return True
