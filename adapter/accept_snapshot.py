@@ -193,10 +193,16 @@ def detach(outs, fields: tuple):
     tensors = _getter(fields)(outs)
     if tensors[0].is_cuda:
         if _mode is None:
-            copy_mode()
+            _report(copy_mode())
         if _snapshot is not None:
             return type(outs)(**dict(zip(fields, _snapshot(tensors))))
     return type(outs)(**{name: t.clone() for name, t in zip(fields, tensors)})
+
+
+def _report(mode: tuple[str, str]) -> None:
+    # Probed at the first CUDA result, on the rank's own device (a probe at start-up would
+    # open a CUDA context on device 0 in every rank): one line says which copy serves.
+    print(f"[sglang-adapters] pid={os.getpid()} folded_fence copy: {mode[0]} - {mode[1]}", file=sys.stderr, flush=True)
 
 
 def copy_mode() -> tuple[str, str]:

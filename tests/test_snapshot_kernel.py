@@ -176,3 +176,27 @@ def test_the_kernel_file_loads_read_only_from_a_fresh_interpreter(sm80, tmp_path
         assert sorted(p.name for p in folder.iterdir()) == ["k.so"]
     finally:
         folder.chmod(0o755)
+
+
+class _CudaLike:
+    """Stands for a CUDA tensor where none exists: only what detach reads of it."""
+
+    is_cuda = True
+
+    def __init__(self, value):
+        self.value = value
+
+    def clone(self):
+        return _CudaLike(self.value)
+
+
+def test_the_first_cuda_result_says_which_copy_serves(monkeypatch, capsys):
+    """Probed once, at the first CUDA result (on the rank's own device), and said in one line."""
+    monkeypatch.setattr(accept_snapshot, "_mode", None)
+    monkeypatch.setattr(accept_snapshot, "_capability", lambda: None)  # this machine: no GPU
+    outs = KwOnlyOuts(first=_CudaLike(1), second=_CudaLike(2))
+    for _ in range(3):
+        copy = accept_snapshot.detach(outs, ("first", "second"))
+        assert copy.first is not outs.first and copy.first.value == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"[sglang-adapters] pid={os.getpid()} folded_fence copy: clones - no CUDA"]
