@@ -40,7 +40,7 @@ import sys
 import tempfile
 from typing import Optional
 
-__all__ = ["copy_mode", "detach", "clone_detach", "kernel_path", "extension", "use_extension", "build"]
+__all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "clone_detach", "kernel_path", "extension", "use_extension", "build"]
 
 PATH_ENV = "SGLANG_ADAPTERS_SNAPSHOT_KERNEL"  # not DSV41_*: those are the pack's flags
 MODULE = "dsv41_accept_snapshot"              # the library's Python module name (PyInit_<MODULE>)
@@ -186,17 +186,22 @@ def clone_detach(outs, fields: tuple):
     return type(outs)(**{name: t.clone() for name, t in zip(fields, _getter(fields)(outs))})
 
 
-def detach(outs, fields: tuple):
-    """A copy of `outs` (a struct whose fields are exactly `fields`) whose tensors own
-    their memory, queued on the current stream. Rebuilt with keywords: the struct
-    may be keyword-only."""
-    tensors = _getter(fields)(outs)
+def snapshot(tensors):
+    """Fresh copies of `tensors`, queued on the current stream: one launch into one new
+    block on CUDA when the kernel file serves this GPU, else clones."""
     if tensors[0].is_cuda:
         if _mode is None:
             _report(copy_mode())
         if _snapshot is not None:
-            return type(outs)(**dict(zip(fields, _snapshot(tensors))))
-    return type(outs)(**{name: t.clone() for name, t in zip(fields, tensors)})
+            return _snapshot(tensors)
+    return [t.clone() for t in tensors]
+
+
+def detach(outs, fields: tuple):
+    """A copy of `outs` (a struct whose fields are exactly `fields`) whose tensors own
+    their memory, queued on the current stream. Rebuilt with keywords: the struct
+    may be keyword-only."""
+    return type(outs)(**dict(zip(fields, snapshot(_getter(fields)(outs)))))
 
 
 def _report(mode: tuple[str, str]) -> None:
@@ -215,6 +220,42 @@ def copy_mode() -> tuple[str, str]:
     if _kernel is not None and not _enabled:
         return ("clones", "switched off by use_extension(False)")
     return _mode
+
+
+def expected_mode() -> tuple[str, str]:
+    """What copy_mode() will answer in a rank, told without touching CUDA (doctor, the
+    per-rank line at start-up): the GPUs' compute capability from NVML, the kernel file
+    loaded but not run. Every GPU of the machine must be served for "one-launch"."""
+    capabilities = nvml_capabilities()
+    if not capabilities:
+        return _probe(kernel_path(), None)[0]
+    modes = {_probe(kernel_path(), capability)[0] for capability in sorted(set(capabilities))}
+    return modes.pop() if len(modes) == 1 else ("clones", "on some GPUs: " + "; ".join(sorted(m[1] for m in modes if m[0] == "clones")))
+
+
+def nvml_capabilities() -> list:
+    """(major, minor) of every GPU NVML sees, [] without a driver. NVML opens no CUDA
+    context (torch.cuda would, on device 0, in whichever process asks)."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+    count, found = ctypes.c_uint(), []
+    if nvml.nvmlInit_v2() != 0:
+        return []
+    try:
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return []
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0
+                    and nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) == 0):
+                found.append((major.value, minor.value))
+    finally:
+        nvml.nvmlShutdown()
+    return found
 
 
 def extension():

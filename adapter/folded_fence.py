@@ -15,12 +15,16 @@ writes through it. The eager path already returns fresh tensors and is untouched
 from __future__ import annotations
 
 import ast
+import functools
+import operator
 import os
+import re
+import textwrap
 from collections.abc import Mapping
+from typing import Optional
 
-from . import accept_snapshot
-from .contract import (KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, combine, package_dir, target_modules,
-                       within)
+from . import accept_snapshot, fence_boundary
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, combine, package_dir, target_modules
 from .flags import parse_switch
 
 NAME = "folded_fence"
@@ -56,9 +60,35 @@ def detach_accept(outs):
 
 
 def _fence_folded_accept(wrapped, instance, args, kwargs):
+    """The general form: run the engine's path, then copy what it returned."""
     outs = wrapped(*args, **kwargs)
     # accept_and_finalize is keyword-only (checked), so the flag is in kwargs.
     return detach_accept(outs) if kwargs.get("folded_accept") else outs
+
+
+_views: dict = {}  # bs -> (the buffer objects, their [:bs] views): built once per batch size
+
+
+def _folded_snapshot(notes: bool, buffers: operator.attrgetter, accept_outs: type, wrapped, instance, args, kwargs):
+    """The cheap form, used only when the folded branch and read_accept are exactly as
+    checked (`_replicable`): do what the branch does (note_static_verify, then read_accept's
+    [:bs] views, cached per batch size while the buffers are the same objects) and hand
+    the views straight to the one-launch snapshot. Fresh memory every step, no unfenced
+    call, no second struct."""
+    if not kwargs.get("folded_accept"):
+        return wrapped(*args, **kwargs)
+    epilogue, bs = instance.verify_epilogue, kwargs["bs"]
+    if notes:
+        epilogue.note_static_verify(bs)
+    bufs, hit = buffers(epilogue), _views.get(bs)
+    if hit is None or not all(map(operator.is_, hit[0], bufs)):
+        hit = _views[bs] = (bufs, [buf[:bs] for buf in bufs])
+    return accept_outs(**dict(zip(FIELDS, accept_snapshot.snapshot(hit[1]))))
+
+
+@functools.lru_cache(maxsize=None)  # one wrapper per form: deciding again re-wraps nothing
+def _folded_snapshot_for(notes: bool, buffers: tuple, accept_outs: type):
+    return functools.partial(_folded_snapshot, notes, operator.attrgetter(*buffers), accept_outs)
 
 
 def _fence_region_accept(wrapped, instance, args, kwargs):
@@ -113,39 +143,145 @@ def _refuse_unpatched_readers(contract: Contract) -> None:
         _reader_uses(Contract(NAME, contract.module, name=name, source=text), ())
 
 
+FOLDED = "TargetVerifyExecutor.accept_and_finalize"
+READ = f"DsparkVerifyEpilogue.{READERS[0]}"
+SNAPSHOT = f"DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT}"
+BOUNDARY = "DSparkWorkerV2.forward_batch_generation"
+
+
+def _body(contract: Contract, dotted: str) -> list:
+    """The statements of a function, its docstring left out."""
+    node = ast.parse(textwrap.dedent(contract.function_source(dotted))).body[0]
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return body
+
+
+def _folded_branch(contract: Contract) -> Optional[tuple[bool, str]]:
+    """(notes, method) when accept_and_finalize opens with `if folded_accept:` whose body
+    is exactly `[self.verify_epilogue.note_static_verify(bs)]` and
+    `return self.verify_epilogue.<method>(bs)`; None for any other shape."""
+    body = _body(contract, FOLDED)
+    if not body or not isinstance(body[0], ast.If) or ast.unparse(body[0].test) != "folded_accept":
+        return None
+    lines = [ast.unparse(stmt) for stmt in body[0].body]
+    notes = lines[:1] == ["self.verify_epilogue.note_static_verify(bs)"]
+    found = re.fullmatch(r"return self\.verify_epilogue\.(\w+)\(bs\)", lines[-1]) if len(lines) == 1 + notes else None
+    return (notes, found[1]) if found else None
+
+
+def _returned_struct(body: list) -> Optional[ast.Call]:
+    """The `AcceptOuts(...)` a function body ends by returning."""
+    last = body[-1] if body else None
+    if isinstance(last, ast.Return) and isinstance(last.value, ast.Call) and ast.unparse(last.value.func) == "AcceptOuts":
+        return last.value
+    return None
+
+
+def _replicable(contract: Contract) -> Optional[tuple[str, ...]]:
+    """The buffer attributes behind FIELDS, in order, when read_accept is exactly
+    `return AcceptOuts(<field>=self.<buffer>[:bs], ...)` over every field: what the cheap
+    form caches and snapshots. None for any other shape."""
+    body = _body(contract, READ)
+    call = _returned_struct(body)
+    if len(body) != 1 or call is None or call.args:
+        return None
+    views = {kw.arg: re.fullmatch(r"self\.(\w+)\[:bs\]", ast.unparse(kw.value)) for kw in call.keywords}
+    if set(views) != set(FIELDS) or not all(views.values()):
+        return None
+    return tuple(views[name][1] for name in FIELDS)
+
+
+def _snapshot_detaches_every_field(contract: Contract) -> bool:
+    """Whether the engine's snapshot_accept provably returns a clone of every field:
+    `AcceptOuts(<field>=<expr>.clone(), ...)` over all FIELDS, or one `**{f: getattr(x,
+    f).clone() for f in AcceptOuts.__struct_fields__}`; a local may hold read_accept(bs)."""
+    body = _body(contract, SNAPSHOT)
+    call = _returned_struct(body)
+    if call is None or call.args or any(not isinstance(stmt, ast.Assign) for stmt in body[:-1]):
+        return False
+    if [kw.arg for kw in call.keywords] == [None]:
+        spread = ast.unparse(call.keywords[0].value)
+        return re.fullmatch(r"\{(\w+): getattr\(\w+, \1\)\.clone\(\) for \1 in AcceptOuts\.__struct_fields__\}", spread) is not None
+    values = {kw.arg: ast.unparse(kw.value) for kw in call.keywords}
+    return set(values) == set(FIELDS) and all(re.fullmatch(r".+\.clone\(\)", v) for v in values.values())
+
+
+def _check_construction(contract: Contract) -> None:
+    """The copy rebuilds AcceptOuts with one keyword per field; refuse a class that takes
+    its fields any other way (its own __init__/__new__, init=False)."""
+    tree = ast.parse(contract.source())
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AcceptOuts"), None)
+    if cls is None:
+        raise contract.refuse("AcceptOuts", "is not a class of this module")
+    custom = [n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__new__")]
+    no_init = [ast.unparse(n) for n in (*cls.decorator_list, *(s.value for s in cls.body if isinstance(s, ast.AnnAssign) and s.value))
+               if "init=False" in ast.unparse(n)]
+    if custom or no_init:
+        raise contract.refuse("AcceptOuts", f"is no longer built from one keyword per field ({', '.join(custom + no_init)}); "
+                                            "the fence's copy could not rebuild it")
+
+
+def _folded_wrapper(contract: Contract):
+    """The cheap form when what it replicates is exactly as checked, else the general one."""
+    branch, buffers = _folded_branch(contract), _replicable(contract)
+    if branch is not None and branch[1] == READERS[0] and buffers is not None:
+        return _folded_snapshot_for(branch[0], buffers, contract.attr("AcceptOuts"))
+    return _fence_folded_accept
+
+
+def _boundary_patch(contract: Contract) -> Patch:
+    """Where a verify step's results leave the worker for the scheduler: checked there at
+    run time (fence_boundary), whatever route they took."""
+    contract.params(BOUNDARY, {"self": POSITIONAL})
+    if not any(ast.unparse(t) == "self._verify_epilogue" for stmt in ast.walk(ast.parse(textwrap.dedent(
+            contract.function_source("DSparkWorkerV2.__init__")))) if isinstance(stmt, ast.Assign) for t in stmt.targets):
+        raise contract.refuse("DSparkWorkerV2.__init__", "no longer sets self._verify_epilogue, which the boundary check reads")
+    return Patch(contract.attr("DSparkWorkerV2"), "forward_batch_generation", fence_boundary.check_results)
+
+
 def _module_plan(contract: Contract) -> Plan:
     """The escape routes of one module, each checked; patches nothing."""
     key = contract.module.__name__
     if key == VERIFY:
         contract.struct_fields("AcceptOuts", FIELDS)
-        contract.params("DsparkVerifyEpilogue.read_accept", {"self": POSITIONAL, "bs": POSITIONAL})
-        contract.params("TargetVerifyExecutor.accept_and_finalize", ESCAPE_PARAMS["TargetVerifyExecutor.accept_and_finalize"])
+        _check_construction(contract)
+        contract.params(READ, {"self": POSITIONAL, "bs": POSITIONAL})
+        contract.params(FOLDED, ESCAPE_PARAMS[FOLDED])
         _refuse_unpatched_readers(contract)
     escapes = ESCAPES[key]
     found = _reader_uses(contract, tuple(escapes) + tuple(NOT_ESCAPES.get(key, ())))
     seen = sorted({f.function for f in found if f.function in escapes})
-    snapshots = {f.function for f in contract.uses(UPSTREAM_SNAPSHOT, attribute=True)}
-    patches = []
+    patches, notes = [], []
     for function in seen:
         owner_name, _, attr = function.rpartition(".")
         contract.params(function, ESCAPE_PARAMS[function])
-        patches.append(Patch(contract.attr(owner_name), attr, escapes[function]))
-    if key == VERIFY and "TargetVerifyExecutor.accept_and_finalize" not in seen:
-        if not any(within(f, ("TargetVerifyExecutor.accept_and_finalize",)) for f in snapshots):
-            raise contract.refuse(
-                "TargetVerifyExecutor.accept_and_finalize",
-                "no longer returns read_accept(bs) on the folded path; what its result aliases is unknown",
-            )
-        contract.attr(f"DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT}")
-        if not patches:
-            return Plan("superseded", f"the engine snapshots the folded result itself "
-                                      f"(DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT})")
+        wrapper = _folded_wrapper(contract) if function == FOLDED else escapes[function]
+        patches.append(Patch(contract.attr(owner_name), attr, wrapper))
+    if key == VERIFY and FOLDED not in seen:
+        branch = _folded_branch(contract)
+        if branch is None or branch[1] != UPSTREAM_SNAPSHOT:
+            raise contract.refuse(FOLDED, "no longer returns read_accept(bs) on the folded path; what its result aliases is unknown")
+        if _snapshot_detaches_every_field(contract):
+            notes.append(f"the engine snapshots the folded result itself ({SNAPSHOT} clones every field)")
+        else:  # named like upstream's fix but not shown to detach every field: fence it
+            patches.append(Patch(contract.attr("TargetVerifyExecutor"), "accept_and_finalize", _fence_folded_accept))
+            notes.append(f"{SNAPSHOT} is not shown to clone every field")
     if not patches:
+        if notes:
+            return Plan("superseded", notes[0])
         return Plan("not needed", "no epilogue views escape here")
-    return Plan("applied", "fenced " + ", ".join(f"{p.owner.__name__}.{p.name}" for p in patches), patches)
+    return Plan("applied", "; ".join(["fenced " + ", ".join(p.where for p in patches)] + notes), patches)
 
 
 def check(engine, enabled: bool, context) -> Plan:
-    """What fencing every escape route takes on `engine`; patches nothing."""
-    modules = target_modules(NAME, engine, TARGETS)
-    return combine(NAME, engine.version, [_module_plan(Contract(NAME, module)) for module in modules.values()])
+    """What fencing every escape route takes on `engine`; patches nothing. Where the fence
+    applies, the results are also checked where they leave the worker (fence_boundary)."""
+    contracts = [Contract(NAME, module) for module in target_modules(NAME, engine, TARGETS).values()]
+    plan = combine(NAME, engine.version, [_module_plan(contract) for contract in contracts])
+    if plan.state == "applied":
+        worker = next(c for c in contracts if c.module.__name__ == WORKER)
+        plan.patches.append(_boundary_patch(worker))
+        plan.detail += f"; boundary check at {BOUNDARY}"
+    return plan

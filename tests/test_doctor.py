@@ -36,7 +36,8 @@ def test_doctor_checks_the_engine_even_with_the_flag_off_on_0_5_18():
     fence = next(a for a in report["adapters"] if a["adapter"] == "folded_fence")
     assert (fence["value"], fence["state"], fence["engine_check"]) == (None, "off", "applied")
     # 0.5.18 has one escape route only: no sampling-accept graph, no block_accept_lens view.
-    assert fence["engine_check_reason"] == "fenced TargetVerifyExecutor.accept_and_finalize"
+    assert fence["engine_check_reason"] == ("fenced TargetVerifyExecutor.accept_and_finalize; "
+                                            "boundary check at DSparkWorkerV2.forward_batch_generation")
     # The same engine read from its sources (as the compatibility matrix does) agrees with every adapter's import check.
     engine = SourceEngine(ENGINE_PATHS["0.5.18"][0])
     assert engine.version == "0.5.18"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import pathlib
+import shutil
 import types
 
 import pytest
@@ -11,6 +14,8 @@ import torch
 from adapter import folded_fence, patching, runtime
 from tests.conftest import Step, accept_kwargs
 from tests.doctored import DoctoredEngine, Drift, doctored_module
+
+SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
 
 FIELDS = folded_fence.FIELDS
 BATCH_SIZES = (1, 5, 16)
@@ -152,7 +157,8 @@ def test_applying_twice_wraps_once_and_revert_restores(verify):
     assert inspect.signature(cls.accept_and_finalize) == signature
     assert cls.accept_and_finalize.__name__ == "accept_and_finalize"
     assert {(s.adapter, s.name) for s in patching.applied()} == {
-        ("folded_fence", "accept_and_finalize"), ("folded_fence", "run"), ("folded_fence", "_block_accept_lens")}
+        ("folded_fence", "accept_and_finalize"), ("folded_fence", "run"), ("folded_fence", "_block_accept_lens"),
+        ("folded_fence", "forward_batch_generation")}
     runtime.revert()
     assert vars(cls)["accept_and_finalize"] is original
     assert patching.applied() == []
@@ -164,7 +170,8 @@ def test_deciding_patches_nothing(verify):
     plan = decision.plans[folded_fence.NAME]
     assert plan.state == "applied"
     assert [p.where for p in plan.patches] == [
-        "TargetVerifyExecutor.accept_and_finalize", "DsparkSamplingAcceptGraph.run", "DSparkWorkerV2._block_accept_lens"]
+        "TargetVerifyExecutor.accept_and_finalize", "DsparkSamplingAcceptGraph.run", "DSparkWorkerV2._block_accept_lens",
+        "DSparkWorkerV2.forward_batch_generation"]
     assert patching.applied() == [] and vars(verify.TargetVerifyExecutor)["accept_and_finalize"] is original
     assert patching.original(verify.TargetVerifyExecutor, "accept_and_finalize") is None
 
@@ -219,3 +226,152 @@ def test_copy_that_already_detaches_is_superseded(tmp_path):
     assert decision.outcomes[0].state == runtime.APPLIED
     assert "DsparkVerifyEpilogue.snapshot_accept" in decision.outcomes[0].reason
     assert "TargetVerifyExecutor.accept_and_finalize" not in [p.where for p in decision.plans["folded_fence"].patches]
+
+
+# --- the cheap form: the folded branch done by the fence, checked before it is replicated ---
+
+def folded_wrapper(decision):
+    return next(p.wrapper for p in decision.plans[folded_fence.NAME].patches
+                if p.where == "TargetVerifyExecutor.accept_and_finalize")
+
+
+@pytest.mark.parametrize("release, notes", [("0.5.23", True), ("0.5.18", False)])
+def test_cheap_form_replicates_each_releases_folded_branch(release, notes):
+    """0.5.23's folded branch calls note_static_verify(bs) before read_accept(bs), 0.5.18's
+    does not: the fence does exactly what each release's branch does."""
+    from adapter.source_engine import SourceEngine
+    from tests.engines import ENGINE_PATHS
+
+    engine = None if release == "0.5.23" else SourceEngine(ENGINE_PATHS[release][0])
+    wrapper = folded_wrapper(runtime.decide({folded_fence.FLAG: "1"}, engine, names=(folded_fence.NAME,)))
+    assert wrapper.func is folded_fence._folded_snapshot
+    assert wrapper.args[0] is notes
+    assert wrapper.args[1](types.SimpleNamespace(**{f"{f}_buf": f for f in FIELDS})) == FIELDS
+
+
+def test_cheap_form_notes_the_static_verify_and_follows_a_replaced_buffer(dspark):
+    fence_on()
+    noted = []
+    dspark.epilogue.deferred_commit = types.SimpleNamespace(note_static_verify=noted.append)
+    outs, step_n, _ = folded_step(dspark, 5)
+    assert noted == [5] and step_n.matches(outs) == {f: True for f in FIELDS}
+    # The engine swaps a buffer for a new one: the cached views follow it.
+    dspark.epilogue.bonus_buf = torch.full_like(dspark.epilogue.bonus_buf, 77)
+    outs, _, _ = folded_step(dspark, 5)
+    assert outs.bonus.tolist() == [1002, 1003, 1004, 1005, 1006]  # step N, written into the new buffer
+    assert aliased_fields(outs, dspark.epilogue) == []
+
+
+REPLICATION_DRIFTS = {
+    "folded branch does one more thing": (
+        "            self.verify_epilogue.note_static_verify(bs)\n",
+        "            self.verify_epilogue.note_static_verify(bs)\n            self._folded_steps = bs\n"),
+    "read_accept reads a field another way": (
+        "            bonus=self.bonus_buf[:bs],\n", "            bonus=self.bonus_buf[:bs].view(-1),\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPLICATION_DRIFTS))
+def test_drift_in_what_the_cheap_form_replicates_falls_back_to_copying_the_result(name, tmp_path):
+    """The cheap form replicates the folded branch and read_accept; any other shape of
+    them gets the general form (run the engine's path, copy its result), still fenced."""
+    module = doctored_module(V, REPLICATION_DRIFTS[name], directory=tmp_path)
+    decision = runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
+    assert decision.outcomes[0].state == runtime.APPLIED
+    assert folded_wrapper(decision) is folded_fence._fence_folded_accept
+
+
+def test_keyword_only_struct_is_rebuilt_by_keyword(tmp_path):
+    module = doctored_module(V, ("class AcceptOuts(msgspec.Struct):", "class AcceptOuts(msgspec.Struct, kw_only=True):"),
+                             directory=tmp_path)
+    decision = runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
+    assert decision.outcomes[0].state == runtime.APPLIED
+    views = {f: torch.arange(3) for f in FIELDS}
+    copy = folded_fence.detach_accept(module.AcceptOuts(**views))
+    assert type(copy) is module.AcceptOuts and all(torch.equal(getattr(copy, f), views[f]) for f in FIELDS)
+
+
+def test_struct_built_another_way_is_refused(tmp_path):
+    """A struct the copy cannot rebuild with one keyword per field (its own __init__): refused,
+    read from source the way doctor --engine reads it."""
+    from adapter.source_engine import SourceEngine
+
+    root = tmp_path / "engine"
+    shutil.copytree(SITE_PACKAGES / "sglang", root / "sglang",
+                    ignore=lambda folder, names: [n for n in names if not n.endswith(".py") and not (pathlib.Path(folder) / n).is_dir()])
+    path = root / "sglang" / "srt" / "speculative" / "dspark_components" / "dspark_verify.py"
+    text = path.read_text()
+    path.write_text(text.replace("    out_tokens: torch.Tensor\n",
+                                 "    out_tokens: torch.Tensor\n\n    def __init__(self, *fields):\n        pass\n", 1))
+    decision = runtime.decide({folded_fence.FLAG: "1"}, SourceEngine(root), names=(folded_fence.NAME,))
+    assert decision.outcomes[0].state == runtime.REFUSED
+    assert "AcceptOuts: is no longer built from one keyword per field (__init__)" in decision.outcomes[0].reason
+
+
+def test_snapshot_that_copies_four_of_six_fields_is_not_taken_for_the_fix(tmp_path):
+    copies_four = (
+        "    def snapshot_accept(self, bs: int) -> AcceptOuts:\n"
+        "        views = self.read_accept(bs)\n"
+        "        return AcceptOuts(correct_len=views.correct_len.clone(), bonus=views.bonus.clone(),\n"
+        "                          cap_trim_lens=views.cap_trim_lens.clone(), commit_lens=views.commit_lens.clone(),\n"
+        "                          new_seq_lens=views.new_seq_lens, out_tokens=views.out_tokens)\n\n"
+        "    def read_accept(self, bs: int) -> AcceptOuts:\n"
+    )
+    module = doctored_module(
+        V,
+        ("            return self.verify_epilogue.read_accept(bs)\n", "            return self.verify_epilogue.snapshot_accept(bs)\n"),
+        ("    def read_accept(self, bs: int) -> AcceptOuts:\n", copies_four),
+        directory=tmp_path,
+    )
+    decision = runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
+    assert decision.outcomes[0].state == runtime.APPLIED
+    assert "snapshot_accept is not shown to clone every field" in decision.outcomes[0].reason
+    assert folded_wrapper(decision) is folded_fence._fence_folded_accept
+
+
+# --- the boundary: results leaving the worker are checked, whatever route they took ---
+
+def test_boundary_copies_a_result_that_escaped_by_an_unknown_route(dspark, capfd):
+    """A result that reached the worker's return through a route the fence does not know
+    (here built by hand from the buffers) is copied where it leaves the worker, keeps step
+    N after the buffers are rewritten, and the route is named once per process."""
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.speculative.dspark_components import dspark_worker_v2 as worker_module
+    from adapter import fence_boundary
+
+    bs = 4
+    fence_on()
+    worker = object.__new__(worker_module.DSparkWorkerV2)
+    worker._verify_epilogue = dspark.epilogue
+    step_n, step_next = Step(1, bs, dspark.stride), Step(2, bs, dspark.stride)
+
+    def escaping_step(self, batch):
+        step_n.write(self._verify_epilogue)
+        epilogue = self._verify_epilogue
+        return GenerationBatchResult(next_token_ids=epilogue.out_tokens_buf[:bs].reshape(-1),
+                                     accept_lens=epilogue.commit_lens_buf[:bs],
+                                     next_draft_input=types.SimpleNamespace(bonus_tokens=epilogue.bonus_buf[:bs]))
+
+    # The plan wraps the real DSparkWorkerV2.forward_batch_generation with check_results; a real
+    # step needs a model, so the same wrapper runs around a body that escapes.
+    assert patching.applied()[-1].name == "forward_batch_generation"
+    for _ in range(2):
+        result = fence_boundary.check_results(escaping_step, worker, (worker, None), {})
+        step_next.write(dspark.epilogue)
+        assert result.accept_lens.tolist() == step_n.values["commit_lens"].tolist()
+        assert result.next_draft_input.bonus_tokens.tolist() == step_n.values["bonus"].tolist()
+        assert result.next_token_ids.tolist() == step_n.values["out_tokens"][:bs].reshape(-1).tolist()
+        assert not shares_memory(result.accept_lens, dspark.epilogue.commit_lens_buf)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "boundary" in line]
+    assert len(lines) == 3 and "GenerationBatchResult.accept_lens <- DsparkVerifyEpilogue.commit_lens_buf" in lines[1]
+    assert "GenerationBatchResult.next_draft_input.bonus_tokens <- DsparkVerifyEpilogue.bonus_buf" in lines[2]
+
+
+def test_boundary_leaves_fresh_results_alone(dspark):
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from adapter import fence_boundary
+
+    fresh = torch.arange(4)
+    result = GenerationBatchResult(accept_lens=fresh, next_draft_input=types.SimpleNamespace(bonus_tokens=fresh + 1))
+    assert fence_boundary.detach_escapes(result, dspark.epilogue) == []
+    assert result.accept_lens is fresh

@@ -67,8 +67,8 @@ def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_pa
     code, found = spawn_rank(monkeypatch, "1", tmp_path)
     assert code == 0
     assert "constructor" in found
-    assert found["patched"] == ["folded_fence:_block_accept_lens", "folded_fence:accept_and_finalize", "folded_fence:run",
-                                "pack-guard:__init__"]
+    assert found["patched"] == ["folded_fence:_block_accept_lens", "folded_fence:accept_and_finalize",
+                                "folded_fence:forward_batch_generation", "folded_fence:run", "pack-guard:__init__"]
     err = capfd.readouterr().err
     assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED - fenced TargetVerifyExecutor.accept_and_finalize" in err
 
