@@ -21,6 +21,8 @@ import sys
 import torch
 
 _named: set = set()  # routes already reported in this process
+_storages: dict = {}  # id(epilogue) -> (ids of its attribute values, storage address -> attribute)
+_SKIP = frozenset((type(None), bool, int, float, str))
 
 
 def check_results(wrapped, instance, args, kwargs):
@@ -32,30 +34,41 @@ def check_results(wrapped, instance, args, kwargs):
 
 
 def persistent_storages(epilogue) -> dict:
-    """Storage address -> attribute name, for every tensor the epilogue holds."""
-    return {t.untyped_storage().data_ptr(): name for name, t in vars(epilogue).items()
-            if isinstance(t, torch.Tensor) and t.numel()}
+    """Storage address -> attribute name, for every tensor the epilogue holds; rebuilt
+    only when one of its attributes is rebound (a buffer allocated late, or replaced)."""
+    state = vars(epilogue)
+    ids = tuple(map(id, state.values()))
+    cached = _storages.get(id(epilogue))
+    if cached is None or cached[0] != ids:
+        cached = _storages[id(epilogue)] = (ids, {t.untyped_storage().data_ptr(): name for name, t in state.items()
+                                                  if isinstance(t, torch.Tensor) and t.numel()})
+    return cached[1]
 
 
-def _holders(result):
-    """The result and the objects it holds directly (draft input, logits output)."""
-    yield type(result).__name__, result
+def _tensors(result) -> list:
+    """(where, holder, attribute, tensor) for every tensor the result holds, directly or in
+    an object it holds (the next draft input, the logits output)."""
+    found, top = [], type(result).__name__
     for name, value in vars(result).items():
-        if hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):
-            yield f"{type(result).__name__}.{name}", value
+        kind = type(value)
+        if kind in _SKIP:
+            continue
+        if issubclass(kind, torch.Tensor):
+            found.append((top, result, name, value))
+        elif hasattr(value, "__dict__") and kind is not type:
+            found += [(f"{top}.{name}", value, inner, t) for inner, t in vars(value).items() if isinstance(t, torch.Tensor)]
+    return found
 
 
 def detach_escapes(result, epilogue) -> list[str]:
     """Copy every tensor of `result` that shares storage with the epilogue's buffers;
     returns the routes found ("Holder.field <- Epilogue.buffer")."""
     storages, found = persistent_storages(epilogue), []
-    for where, holder in _holders(result):
-        for name, value in list(vars(holder).items()):
-            if isinstance(value, torch.Tensor) and value.numel():
-                buffer = storages.get(value.untyped_storage().data_ptr())
-                if buffer is not None:
-                    setattr(holder, name, value.clone())
-                    found.append(f"{where}.{name} <- {type(epilogue).__name__}.{buffer}")
+    for where, holder, name, tensor in _tensors(result):
+        buffer = storages.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+        if buffer is not None:
+            setattr(holder, name, tensor.clone())
+            found.append(f"{where}.{name} <- {type(epilogue).__name__}.{buffer}")
     for route in found:
         if route not in _named:
             _named.add(route)

@@ -11,21 +11,20 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
   sleep0_launch    torch.cuda._sleep(0): one near-empty kernel launched through torch
   unfenced         the engine's folded call, unpatched (returns views of the buffers)
   clones6          unfenced call + six per-field clones (what the upstream fix does)
-  fence            the pack's fence installed: one fresh block, one launch (accept_snapshot,
-                   the prebuilt kernel file loaded by path)
-  fence_clones     the pack's fence installed with its fallback (plain clones)
-  proto            issue 13 part 4, prototype: a wrapt wrapper that on the folded path does
-                   what the engine's folded branch does (note_static_verify(bs)) and hands the
-                   one-launch snapshot six [:bs] views of the epilogue's persistent buffers,
-                   cached per batch size (rebuilt if a buffer object changed), instead of
-                   calling the unfenced path and copying its result
-  proto_nocheck    proto without the buffer-identity check (what the check costs)
-  proto_plain      proto's body as a plain function in place of the method (what wrapt costs)
-  ring_replay      unfenced call + one CUDA-graph replay copying the six slices into a
-                   preallocated slot set + a struct of cached views: the floor of the
-                   "ring of slots" design, without the guard it would need
-  cat_bytes        unfenced call + torch.cat of cached byte views into one fresh block
-                   (one kernel) + typed views back made in Python
+  fence            the pack's fence as the runtime applies it: on 0.5.23 the cheap form (the
+                   folded branch done by the fence: note_static_verify, read_accept's [:bs]
+                   views cached per batch size, one-launch snapshot into one fresh block)
+  fence_general    the general form (before this change): the unfenced call, then its
+                   result copied (one launch) and rebuilt as a second struct
+  fence_clones     the cheap form with the fallback copy (plain clones)
+  wrapped_noop     the general form's wrapper with a copy that does nothing (wrapt's cost)
+  boundary         unfenced call + the fence's boundary check on a worker result of fresh
+                   tensors (fence_boundary.detach_escapes: what every step pays for it)
+  fence_boundary   fence + boundary check: the fence's whole cost per verify step
+
+Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
+ring_replay (a captured copy into preallocated slots: a slot a stalled reader could
+still hold), cat_bytes (torch.cat of byte views: nine launches' worth of host time).
 
 Also the launches each variant makes per call (CUDA runtime launch/copy calls, and
 kernels on the device), from the PyTorch profiler. Figures move between runs on a
@@ -36,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import operator
 import os
 import pathlib
 import platform
@@ -49,15 +47,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import wrapt  # noqa: E402
 
-from adapter import accept_snapshot, folded_fence, runtime  # noqa: E402
+from adapter import accept_snapshot, fence_boundary, folded_fence, patching, runtime  # noqa: E402
+from adapter.contract import Patch  # noqa: E402
 # the worker's arguments, as the GPU test passes them, and the fence switched on as a rank does
 from tests.test_fence_gpu import STRIDE, fence_on, folded_kwargs  # noqa: E402
 
 
 FIELDS = folded_fence.FIELDS
-DETACH = folded_fence.detach_accept  # the fence's own copy step (wrapped_noop swaps it out)
+DETACH = folded_fence.detach_accept  # the general form's copy step (wrapped_noop swaps it out)
 
 
 def build(max_bs: int):
@@ -82,36 +80,6 @@ def build(max_bs: int):
 ORIGINAL = "accept_and_finalize"
 
 
-def proto_fence(verify, snapshot, original, check: bool = True):
-    """Issue 13 part 4, prototype: the folded branch's body done here (note_static_verify,
-    then the [:bs] views read_accept would make, cached per bs), the views handed straight
-    to the one-launch snapshot. Fresh memory per call, as the fence; no unfenced call, no
-    second struct. Returns (wrapt wrapper, plain method) sharing that body."""
-    AcceptOuts = verify.AcceptOuts
-    bufs_of = operator.attrgetter(*(f"{name}_buf" for name in FIELDS))
-    cache = {}  # bs -> (the buffer objects, their [:bs] views)
-
-    def folded(epilogue, bs):
-        epilogue.note_static_verify(bs)  # what the folded branch does before read_accept(bs)
-        hit = cache.get(bs)
-        if hit is None or (check and not all(map(operator.is_, hit[0], bufs_of(epilogue)))):
-            bufs = bufs_of(epilogue)  # first call at this bs, or the engine replaced a buffer
-            hit = cache[bs] = (bufs, [buf[:bs] for buf in bufs])
-        return AcceptOuts(**dict(zip(FIELDS, snapshot(hit[1]))))
-
-    def wrapper(wrapped, instance, args, kwargs):
-        if kwargs.get("folded_accept"):
-            return folded(instance.verify_epilogue, kwargs["bs"])
-        return wrapped(*args, **kwargs)
-
-    def plain(self, *args, **kwargs):
-        if kwargs.get("folded_accept"):
-            return folded(self.verify_epilogue, kwargs["bs"])
-        return original(self, *args, **kwargs)
-
-    return wrapper, plain
-
-
 def check_detached(verify, epilogue, outs, bs: int) -> None:
     """A variant's result has the engine's type, the buffers' values, dtypes and shapes,
     and owns its memory (no buffer aliased)."""
@@ -125,108 +93,83 @@ def check_detached(verify, epilogue, outs, bs: int) -> None:
         assert mine.untyped_storage().data_ptr() != buf.data_ptr(), name
 
 
+def worker_result(device, bs: int):
+    """A DSpark worker's GenerationBatchResult of fresh tensors, shaped as 0.5.23 fills it."""
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    ints = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
+    return GenerationBatchResult(
+        logits_output=types.SimpleNamespace(next_token_logits=None, hidden_states=torch.zeros(bs * STRIDE, 16, device=device)),
+        next_token_ids=ints(bs * STRIDE), accept_lens=ints(bs), block_accept_lens=ints(bs), cap_lens=ints(bs),
+        new_seq_lens=ints(bs), can_run_cuda_graph=True, speculative_num_draft_tokens=STRIDE,
+        next_draft_input=types.SimpleNamespace(bonus_tokens=ints(bs), new_seq_lens=ints(bs), hidden=None),
+    )
+
+
 def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
     """name -> (setup, call): setup puts the module in the variant's state (untimed)."""
     kw = folded_kwargs(bs, device)
     ext = accept_snapshot.extension()
-    AcceptOuts = verify.AcceptOuts
     TVE = verify.TargetVerifyExecutor
+    result = worker_result(device, bs)
 
     def unpatched():
         runtime.revert()
-        setattr(TVE, ORIGINAL, original)  # drops a prototype's wrapper too
+        setattr(TVE, ORIGINAL, original)
         folded_fence.detach_accept = DETACH
         accept_snapshot.use_extension(True)
 
-    def wrapped_noop():
-        # The fence's wrapper with a detach that does nothing: the wrapper's own cost.
-        unpatched()
-        fence_on()
-        folded_fence.detach_accept = lambda outs: outs
+    def general(detach=DETACH):
+        def setup():
+            unpatched()
+            patching.apply(Patch(TVE, ORIGINAL, folded_fence._fence_folded_accept), folded_fence.NAME)
+            folded_fence.detach_accept = detach
+        return setup
 
     def fenced(one_launch: bool):
         def setup():
             unpatched()
             fence_on()
             accept_snapshot.use_extension(one_launch)
-
         return setup
 
     def clones6():
         outs = executor.accept_and_finalize(**kw)
-        return AcceptOuts(**{name: getattr(outs, name).clone() for name in FIELDS})
+        return verify.AcceptOuts(**{name: getattr(outs, name).clone() for name in FIELDS})
 
-    # The ring's floor: one graph, captured once, copies the six slices into one slot set.
-    views = epilogue.read_accept(bs)
-    slot = [torch.empty_like(getattr(views, name)) for name in FIELDS]
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for dst, name in zip(slot, FIELDS):
-            dst.copy_(getattr(views, name))
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        for dst, name in zip(slot, FIELDS):
-            dst.copy_(getattr(views, name))
-
-    def ring_replay():
-        executor.accept_and_finalize(**kw)
-        graph.replay()
-        return AcceptOuts(*slot)
-
-    # One fresh block through torch.cat (one kernel) of byte views cached per bs,
-    # and the typed views made back in Python.
-    byte_srcs = [getattr(views, name).reshape(-1).view(torch.uint8) for name in FIELDS]
-    sizes = [t.numel() for t in byte_srcs]
-    meta = [(getattr(views, name).dtype, tuple(getattr(views, name).shape)) for name in FIELDS]
-
-    def cat_bytes():
-        executor.accept_and_finalize(**kw)
-        flat = torch.cat(byte_srcs)
-        parts = flat.split(sizes)
-        return AcceptOuts(*[p.view(dtype).view(shape) for p, (dtype, shape) in zip(parts, meta)])
-
-    def snapshot_call():
-        # The unfenced call plus the extension's call alone: no wrapper, no struct.
+    def with_boundary():
         outs = executor.accept_and_finalize(**kw)
-        return ext.snapshot([getattr(outs, name) for name in FIELDS])
+        fence_boundary.detach_escapes(result, epilogue)
+        return outs
 
+    call = lambda: executor.accept_and_finalize(**kw)  # noqa: E731
     table = {
         "sleep0_launch": (unpatched, lambda: torch.cuda._sleep(0)),
-        "wrapped_noop": (wrapped_noop, lambda: executor.accept_and_finalize(**kw)),
-        "unfenced": (unpatched, lambda: executor.accept_and_finalize(**kw)),
+        "unfenced": (unpatched, call),
         "clones6": (unpatched, clones6),
-        "fence": (fenced(True), lambda: executor.accept_and_finalize(**kw)),
-        "fence_clones": (fenced(False), lambda: executor.accept_and_finalize(**kw)),
-        "ring_replay": (unpatched, ring_replay),
-        "cat_bytes": (unpatched, cat_bytes),
+        "wrapped_noop": (general(lambda outs: outs), call),
+        "fence_general": (general(), call),
+        "fence": (fenced(True), call),
+        "fence_clones": (fenced(False), call),
+        "boundary": (unpatched, with_boundary),
+        "fence_boundary": (fenced(True), with_boundary),
     }
     if ext is not None:
-        def proto(method):
-            def setup():
-                unpatched()
-                setattr(TVE, ORIGINAL, method)
-
-            return setup
-
-        wrapper, plain = proto_fence(verify, ext.snapshot, original)
-        nocheck, _ = proto_fence(verify, ext.snapshot, original, check=False)
-        protos = {
-            "proto": (proto(wrapt.FunctionWrapper(original, wrapper)), lambda: executor.accept_and_finalize(**kw)),
-            "proto_nocheck": (proto(wrapt.FunctionWrapper(original, nocheck)), lambda: executor.accept_and_finalize(**kw)),
-            "proto_plain": (proto(plain), lambda: executor.accept_and_finalize(**kw)),
-        }
-        table = {"empty_launch": (unpatched, ext.empty_launch), **table, **protos, "snapshot_call": (unpatched, snapshot_call)}
+        table = {"empty_launch": (unpatched, ext.empty_launch), **table}
     else:
-        table.pop("fence")
-    # Every fenced variant returns detached copies of the right values (checked untimed).
-    for name in ("fence", "fence_clones", "proto", "proto_nocheck", "proto_plain"):
+        for name in ("fence", "fence_general", "fence_boundary"):
+            table.pop(name)
+    # Every fenced variant returns detached copies of the right values (checked untimed),
+    # and the fence is the cheap form where the engine allows it.
+    for name in ("fence", "fence_general", "fence_clones"):
         if name in table:
             table[name][0]()
             first, second = table[name][1](), table[name][1]()
             check_detached(verify, epilogue, first, bs)
             assert first.correct_len.data_ptr() != second.correct_len.data_ptr(), f"{name}: memory reused"
+    fenced(True)()
+    wrapper = next(s.patch.wrapper for s in patching.applied() if s.name == ORIGINAL)
+    print(f"bs={bs}: the fence on accept_and_finalize is {getattr(wrapper, 'func', wrapper).__name__}", flush=True)
     unpatched()
     return table
 

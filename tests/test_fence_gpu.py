@@ -108,7 +108,16 @@ def folded_kwargs(bs: int, device) -> dict:
     )
 
 
-def race(gpu, bs: int, trial: int):
+def folded_result(gpu, kwargs) -> dict:
+    """What the worker hands the scheduler, from the folded accept (known route, fenced or not)."""
+    outs = gpu.executor.accept_and_finalize(**kwargs)
+    # GenerationBatchResult: next_token_ids = out_tokens.reshape(-1), accept_lens = commit_lens, ...
+    result = {name: getattr(outs, name) for name in FIELDS}
+    result["out_tokens"] = result["out_tokens"].reshape(-1)
+    return result
+
+
+def race(gpu, bs: int, trial: int, hand_out=folded_result):
     """Step N handed out and its readback stalled; FURTHER_STEPS verify steps run meanwhile.
     Returns the host copies, the steps, and whether the copy was still stalled at the end."""
     steps = [Step(trial, j, bs, gpu.device) for j in range(1 + FURTHER_STEPS)]
@@ -117,11 +126,7 @@ def race(gpu, bs: int, trial: int):
     torch.cuda.synchronize()
     with torch.cuda.stream(gpu.forward):
         steps[0].write(gpu.epilogue)
-        outs = gpu.executor.accept_and_finalize(**kwargs)
-        # GenerationBatchResult: next_token_ids = out_tokens.reshape(-1), accept_lens = commit_lens, ...
-        result = {name: getattr(outs, name) for name in FIELDS}
-        result["out_tokens"] = result["out_tokens"].reshape(-1)
-    del outs
+        result = hand_out(gpu, kwargs)
     # Scheduler._copy_result_to_cpu: the copy stream waits for the forward stream, never the reverse.
     gpu.copy.wait_stream(gpu.forward)
     with torch.cuda.stream(gpu.copy):
@@ -240,5 +245,63 @@ def test_fenced_call_is_one_launch_and_detached(gpu):
             assert torch.equal(mine, theirs), name
             buffer = getattr(gpu.epilogue, f"{name}_buf")
             assert mine.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr(), name
+    finally:
+        runtime.revert()
+
+
+# --- the boundary guarantee: a route the fence's checks do not know -----------------------
+
+ESCAPE = (
+    "    def accept_and_finalize(\n",
+    "    def peek_accept(self, bs):\n"
+    "        # a new route: the buffers read directly, no epilogue reader called\n"
+    "        e = self.verify_epilogue\n"
+    "        return AcceptOuts(correct_len=e.correct_len_buf[:bs], bonus=e.bonus_buf[:bs],\n"
+    "                          cap_trim_lens=e.cap_trim_lens_buf[:bs], commit_lens=e.commit_lens_buf[:bs],\n"
+    "                          new_seq_lens=e.new_seq_lens_buf[:bs], out_tokens=e.out_tokens_buf[:bs])\n\n"
+    "    def accept_and_finalize(\n",
+)
+
+
+@pytest.mark.parametrize("bs", BATCH_SIZES)
+def test_boundary_keeps_step_n_for_a_route_the_fence_does_not_know(gpu, bs, tmp_path):
+    """The fence on, then its known routes switched off: only the check where results leave
+    the worker (the wrapper the plan puts on DSparkWorkerV2.forward_batch_generation) is in
+    place. The results come from an escape route added in a doctored copy of dspark_verify;
+    the host must still read step N in every field."""
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from adapter import fence_boundary, patching
+    from tests.doctored import doctored_module
+
+    doctored = doctored_module(folded_fence.VERIFY, ESCAPE, directory=tmp_path)
+    executor = object.__new__(doctored.TargetVerifyExecutor)
+    executor.verify_epilogue = gpu.epilogue
+    worker = types.SimpleNamespace(_verify_epilogue=gpu.epilogue)
+    fence_on()
+    for saved in patching.applied():
+        if saved.name != "forward_batch_generation":
+            patching.revert(saved.owner, saved.name)  # the known routes off
+    boundary = next(s.patch.wrapper for s in patching.applied() if s.name == "forward_batch_generation")
+
+    def through_boundary(gpu, kwargs):
+        def worker_step(_worker, bs):  # the worker's return, built from the escaping views
+            outs = executor.peek_accept(bs)
+            return GenerationBatchResult(
+                next_token_ids=outs.out_tokens.reshape(-1), accept_lens=outs.commit_lens,
+                new_seq_lens=outs.new_seq_lens, cap_lens=outs.cap_trim_lens,
+                next_draft_input=types.SimpleNamespace(bonus_tokens=outs.bonus, correct_len=outs.correct_len))
+        result = boundary(worker_step, worker, (worker, kwargs["bs"]), {})
+        return {"out_tokens": result.next_token_ids, "commit_lens": result.accept_lens,
+                "new_seq_lens": result.new_seq_lens, "cap_trim_lens": result.cap_lens,
+                "bonus": result.next_draft_input.bonus_tokens, "correct_len": result.next_draft_input.correct_len}
+
+    try:
+        assert boundary is fence_boundary.check_results
+        race(gpu, bs, 6_000, through_boundary)  # warm-up: first allocations of each size
+        for trial in range(TRIALS["clones"]):
+            host, steps, stalled = race(gpu, bs, 2000 + trial, through_boundary)
+            _require_stall(stalled, bs)
+            got = steps[0].matches(host)
+            assert got == {name: True for name in FIELDS}, f"bs={bs} trial {trial}: the boundary let a later step through: {got}"
     finally:
         runtime.revert()
