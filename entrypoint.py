@@ -21,7 +21,7 @@ import tempfile
 
 from adapter import load, runtime
 from adapter.contract import InstalledEngine
-from adapter.source_engine import open_engine
+from adapter.source_engine import EngineSourceError, open_engine
 
 SERVER_MODULE = "sglang.launch_server"
 
@@ -38,7 +38,11 @@ def doctor(argv: list[str]) -> int:
     opts = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as workdir:
-        engine = open_engine(opts.engine, workdir) if opts.engine else InstalledEngine()
+        try:
+            engine = open_engine(opts.engine, workdir) if opts.engine else InstalledEngine()
+        except EngineSourceError as exc:
+            print(f"{runtime.PREFIX} doctor --engine: {exc}", file=sys.stderr, flush=True)
+            return 2
         found = report(os.environ, engine)
     if opts.engine:
         ranks = f"not checked: the engine at {opts.engine} is read from its sources, not installed here"
