@@ -44,8 +44,8 @@ def doctor(argv: list[str]) -> int:
             print(f"{runtime.PREFIX} doctor --engine: {exc}", file=sys.stderr, flush=True)
             return 2
         found = report(os.environ, engine)
-    if opts.engine:
-        ranks = f"not checked: the engine at {opts.engine} is read from its sources, not installed here"
+    if opts.engine and not found["delivery_problems"]:
+        ranks = f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at {opts.engine} is read from its sources, not installed here"
     else:
         ranks = None
     if opts.json:
@@ -69,10 +69,9 @@ def report(environ, engine) -> dict:
         adapter = load(outcome.adapter)
         check = runtime.engine_check(adapter, engine)
         rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1]})
-    installed = isinstance(engine, InstalledEngine)
     return {
         "engine": decision.engine, "adapters": rows, "enabled": decision.enabled, "problems": decision.problems,
-        "delivery_problems": runtime.delivery_problems(environ) if installed else [],
+        "delivery_problems": runtime.delivery_problems(environ, engine),
         "unknown_flags": runtime.unknown_flags(environ),
         "failed": decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows),
     }
