@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from . import ADAPTERS, delivery, load, patching
+from . import ADAPTERS, audit, delivery, load, patching
 from .contract import InstalledEngine, Plan, Refused
 from .flags import FlagError
 
@@ -189,12 +189,15 @@ _applied: Optional[Decision] = None
 
 def apply_once(environ: Mapping[str, str] = os.environ) -> Decision:
     """Decide and apply once per process (launcher, each rank); one line per adapter.
-    A refused decision is printed and returned unapplied: the caller stops the engine."""
+    A refused decision is printed and returned unapplied: the caller stops the engine.
+    Once applied, a loaded engine module that still holds an original the pack wrapped
+    refuses it too (adapter.audit)."""
     global _applied
     if _applied is None:
         _applied = decide(environ)
         if not _applied.refused:
             apply(_applied)
+            _applied.problems += audit.problems(patching.applied(), _applied.engine)
         for outcome in _applied.outcomes:
             print(outcome.line(), file=sys.stderr, flush=True)
     return _applied
