@@ -11,7 +11,8 @@ Scope. A patch on the definition (the function's own module or class) is audited
 every `sglang` module. A patch on one consumer's binding of a helper defined elsewhere
 (group_min_memory wraps only the probe modules' `get_available_gpu_memory`, on purpose:
 every other importer keeps the helper) is audited in that consumer module only.
-Not searched: closures and objects nested deeper than one container.
+Not searched: closures, the attributes of instances, objects nested deeper than one
+container, and classes defined outside the engine.
 """
 
 from __future__ import annotations
@@ -181,15 +182,14 @@ def stale_bindings(saved: list[Saved], modules: Optional[dict] = None) -> list[t
 
 def problems(saved: list[Saved], version: str, modules: Optional[dict] = None) -> list[str]:
     """One refusal line per stale binding."""
-    from . import load
+    from . import ADAPTERS, load
 
     lines = []
     for where, target in stale_bindings(saved, modules):
         adapter = target.saved.adapter
-        try:
-            what_to_do = f"switch {load(adapter).FLAG} off or use a release this pack supports"
-        except Exception:
-            what_to_do = "use a release this pack supports"
+        what_to_do = "use a release this pack supports"
+        if adapter in ADAPTERS:  # else the pack's own guard on Scheduler.__init__
+            what_to_do = f"switch {load(adapter).FLAG} off or {what_to_do}"
         lines.append(
             f"{adapter} refused on sglang {version}: {where} holds the original {target.label} that {adapter} "
             f"wrapped: it was bound before the pack applied and would run unwrapped; {what_to_do}"
