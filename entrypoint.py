@@ -19,7 +19,7 @@ import runpy
 import sys
 import tempfile
 
-from adapter import load, runtime
+from adapter import delivery, load, runtime
 from adapter.contract import InstalledEngine
 from adapter.source_engine import EngineSourceError, open_engine
 
@@ -44,10 +44,11 @@ def doctor(argv: list[str]) -> int:
             print(f"{runtime.PREFIX} doctor --engine: {exc}", file=sys.stderr, flush=True)
             return 2
         found = report(os.environ, engine)
-    if opts.engine and not found["delivery_problems"]:
-        ranks = f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at {opts.engine} is read from its sources, not installed here"
-    else:
-        ranks = None
+        unjudged = opts.engine and not found["delivery_problems"] and delivery.discovery_module(engine) is None
+    ranks = None
+    if unjudged:
+        ranks = (f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at "
+                 f"{opts.engine} is read from its sources and its loader is not the one installed here")
     if opts.json:
         print(json.dumps({key: found[key] for key in ("engine", "adapters", "delivery_problems", "unknown_flags", "problems")}
                          | {"source": opts.engine}, indent=2))

@@ -7,13 +7,21 @@ of it) against a namespace in which listed entry points are recorded instead of 
 and nothing is executed or hooked. And `run_scheduler_process` still calls that loader
 before it builds the Scheduler (a source contract, read the same way for installed
 engines and engines read from source).
+
+An engine read from a release's sources (doctor --engine) cannot run its own discovery.
+Its discovery is judged with the installed engine's code when its loader's source is
+byte for byte the installed one (0.5.16 - 0.5.23 all are), so doctor --engine, doctor and
+the launcher agree; otherwise it is reported as not checked. Either way the launcher
+and every rank judge again with the engine that is really installed.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import textwrap
@@ -80,8 +88,6 @@ def chosen_plugins(environ: Mapping[str, str], plugins=None) -> list[str]:
     process with `environ`: its own functions, rebound to a namespace where discovery
     lists instead of loads, with a fresh idempotence guard and no hook application."""
     if plugins is None:
-        import importlib
-
         plugins = importlib.import_module(PLUGINS)
     chosen: list[str] = []
     namespace = dict(vars(plugins))
@@ -99,8 +105,30 @@ def chosen_plugins(environ: Mapping[str, str], plugins=None) -> list[str]:
     return chosen
 
 
-def discovery_problems(environ: Mapping[str, str]) -> list[str]:
-    """Why the installed engine's ranks would not run the pack's plugin, if they would not."""
+def discovery_module(engine):
+    """The installed plugin loader that runs `engine`'s discovery: the installed engine's,
+    or, for an engine read from source, the installed one when its source is the same
+    text; None when there is none."""
+    from .contract import InstalledEngine
+
+    if isinstance(engine, InstalledEngine):
+        return engine.module(PLUGINS)
+    theirs = engine.path(PLUGINS) if hasattr(engine, "path") else None
+    try:
+        ours = importlib.util.find_spec(PLUGINS)
+    except (ImportError, ValueError):
+        ours = None
+    if theirs is None or ours is None or ours.origin is None:
+        return None
+    with open(theirs, "rb") as a, open(ours.origin, "rb") as b:
+        if a.read() != b.read():
+            return None
+    return importlib.import_module(PLUGINS)
+
+
+def discovery_problems(environ: Mapping[str, str], plugins=None) -> list[str]:
+    """Why ranks would not run the pack's plugin under `environ`, if they would not, judged
+    by `plugins` (the installed engine's loader by default)."""
     ours = [ep for ep in importlib.metadata.entry_points(group=GROUP) if ep.value == TARGET]
     if not ours:
         return [
@@ -108,7 +136,7 @@ def discovery_problems(environ: Mapping[str, str]) -> list[str]:
             f"{GROUP}: install the pack with pip so that every TP rank loads it"
         ]
     try:
-        chosen = chosen_plugins(environ)
+        chosen = chosen_plugins(environ, plugins)
     except Exception as exc:  # discovery that cannot run proves nothing: fail closed
         return [f"the engine's plugin discovery ({PLUGINS}.{LOADER}) could not be run to show that ranks load the pack: "
                 f"{type(exc).__name__}: {exc}"]

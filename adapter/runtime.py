@@ -205,14 +205,14 @@ def apply_once(environ: Mapping[str, str] = os.environ) -> Decision:
 
 def delivery_problems(environ: Mapping[str, str], engine=None) -> list[str]:
     """Why spawned ranks would not run the pack's plugin, if they would not: the engine's
-    scheduler process must call its plugin loader (any engine, read from source), and the
-    installed engine's own discovery must choose the pack under `environ`. An engine read
-    from a release's sources is not installed here: which plugins its ranks would find
-    depends on the image it is installed in, so discovery is judged only where it runs."""
+    scheduler process must call its plugin loader (read from source, any engine), and the
+    engine's own discovery must choose the pack under `environ` (where it can run here:
+    adapter.delivery.discovery_module)."""
     engine = engine or InstalledEngine()
     problems = delivery.loader_problems(engine)
-    if isinstance(engine, InstalledEngine):
-        problems += delivery.discovery_problems(environ)
+    plugins = delivery.discovery_module(engine)
+    if plugins is not None:
+        problems += delivery.discovery_problems(environ, plugins)
     return problems
 
 

@@ -144,3 +144,29 @@ def test_the_same_drift_read_from_source_is_refused_alike(tmp_path):
     assert len(problems) == 1
     assert "run_scheduler_process: no longer calls load_plugins() as a statement of its own" in problems[0]
     assert f"{path}:" in problems[0]
+
+
+@pytest.mark.parametrize("value", [",", "  ", OURS, None])
+def test_doctor_engine_judges_discovery_as_the_installed_engine_does(value):
+    """The release's loader is byte for byte the installed one: its discovery is run with
+    that code, so doctor --engine and the launcher agree."""
+    environ = {**FENCE_ON, **({} if value is None else {"SGLANG_PLUGINS": value})}
+    sources = SourceEngine(SITE_PACKAGES)
+    assert delivery.discovery_module(sources) is delivery.discovery_module(InstalledEngine())
+    assert runtime.delivery_problems(environ, sources) == runtime.delivery_problems(environ)
+    assert runtime.decide(environ, sources).refused == runtime.decide(environ).refused == (value in (",", "  "))
+
+
+def test_a_release_whose_loader_differs_is_not_judged_by_the_installed_code(tmp_path):
+    tree = tmp_path / "engine"
+    for name in (delivery.SCHEDULER + ".py", delivery.PLUGINS + ".__init__.py"):
+        relative = pathlib.Path(*name.split(".")[:-1]).with_suffix(".py")
+        target = tree / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(SITE_PACKAGES / relative, target)
+    (tree / "sglang" / "version.py").write_text('__version__ = "0.5.23"\n')
+    plugins = tree / "sglang" / "srt" / "plugins" / "__init__.py"
+    assert delivery.discovery_module(SourceEngine(tree)) is not None
+    plugins.write_text(plugins.read_text() + "\n# changed\n")
+    assert delivery.discovery_module(SourceEngine(tree)) is None
+    assert runtime.delivery_problems({**FENCE_ON, "SGLANG_PLUGINS": ","}, SourceEngine(tree)) == []
