@@ -19,9 +19,9 @@ import runpy
 import sys
 import tempfile
 
-from adapter import load, runtime
+from adapter import delivery, load, runtime
 from adapter.contract import InstalledEngine
-from adapter.source_engine import open_engine
+from adapter.source_engine import EngineSourceError, open_engine
 
 SERVER_MODULE = "sglang.launch_server"
 
@@ -38,12 +38,17 @@ def doctor(argv: list[str]) -> int:
     opts = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as workdir:
-        engine = open_engine(opts.engine, workdir) if opts.engine else InstalledEngine()
+        try:
+            engine = open_engine(opts.engine, workdir) if opts.engine else InstalledEngine()
+        except EngineSourceError as exc:
+            print(f"{runtime.PREFIX} doctor --engine: {exc}", file=sys.stderr, flush=True)
+            return 2
         found = report(os.environ, engine)
-    if opts.engine:
-        ranks = f"not checked: the engine at {opts.engine} is read from its sources, not installed here"
-    else:
-        ranks = None
+        unjudged = opts.engine and not found["delivery_problems"] and delivery.discovery_module(engine) is None
+    ranks = None
+    if unjudged:
+        ranks = (f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at "
+                 f"{opts.engine} is read from its sources and its loader is not the one installed here")
     if opts.json:
         print(json.dumps({key: found[key] for key in ("engine", "adapters", "delivery_problems", "unknown_flags", "problems")}
                          | {"source": opts.engine}, indent=2))
@@ -65,10 +70,9 @@ def report(environ, engine) -> dict:
         adapter = load(outcome.adapter)
         check = runtime.engine_check(adapter, engine)
         rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1]})
-    installed = isinstance(engine, InstalledEngine)
     return {
         "engine": decision.engine, "adapters": rows, "enabled": decision.enabled, "problems": decision.problems,
-        "delivery_problems": runtime.delivery_problems(environ) if installed else [],
+        "delivery_problems": runtime.delivery_problems(environ, engine),
         "unknown_flags": runtime.unknown_flags(environ),
         "failed": decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows),
     }

@@ -13,20 +13,17 @@ by what each adapter declares it reads (`AFTER`), not by the order of ADAPTERS.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from . import ADAPTERS, load, patching
+from . import ADAPTERS, audit, delivery, load, patching
 from .contract import InstalledEngine, Plan, Refused
 from .flags import FlagError
 
 PREFIX = "[sglang-adapters]"
-PLUGIN_GROUP = "sglang.srt.plugins"
-PLUGIN_TARGET = "adapter.plugin:register"
 
 OFF, APPLIED, SUPERSEDED, REFUSED = "off", "applied", "superseded", "refused"
 
@@ -148,8 +145,8 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
             handed.update(plan.env)
         outcomes[name] = Outcome(name, adapter.FLAG, environ.get(adapter.FLAG), state, reason, engine.version)
     decision = Decision(engine.version, [outcomes[n] for n in names], plans, unknown_flags(environ))
-    if isinstance(engine, InstalledEngine) and decision.enabled:
-        decision.problems += delivery_problems(environ)  # ranks that skip the plugin would not apply it
+    if decision.enabled:
+        decision.problems += delivery_problems(environ, engine)  # ranks that skip the plugin would not apply it
     return decision
 
 
@@ -192,30 +189,31 @@ _applied: Optional[Decision] = None
 
 def apply_once(environ: Mapping[str, str] = os.environ) -> Decision:
     """Decide and apply once per process (launcher, each rank); one line per adapter.
-    A refused decision is printed and returned unapplied: the caller stops the engine."""
+    A refused decision is printed and returned unapplied: the caller stops the engine.
+    Once applied, a loaded engine module that still holds an original the pack wrapped
+    refuses it too (adapter.audit)."""
     global _applied
     if _applied is None:
         _applied = decide(environ)
         if not _applied.refused:
             apply(_applied)
+            _applied.problems += audit.problems(patching.applied(), _applied.engine)
         for outcome in _applied.outcomes:
             print(outcome.line(), file=sys.stderr, flush=True)
     return _applied
 
 
-def delivery_problems(environ: Mapping[str, str]) -> list[str]:
-    """Why spawned ranks would not run the pack's plugin, if they would not."""
-    ours = [ep for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP) if ep.value == PLUGIN_TARGET]
-    if not ours:
-        return [
-            f"the pack's plugin ({PLUGIN_TARGET}) is not registered in entry-point group "
-            f"{PLUGIN_GROUP}: install the pack with pip so that every TP rank loads it"
-        ]
-    allowed = environ.get("SGLANG_PLUGINS", "")
-    names = {x.strip() for x in allowed.split(",") if x.strip()}
-    if names and ours[0].name not in names:
-        return [f"SGLANG_PLUGINS={allowed!r} does not list the pack's plugin '{ours[0].name}', so ranks would skip it"]
-    return []
+def delivery_problems(environ: Mapping[str, str], engine=None) -> list[str]:
+    """Why spawned ranks would not run the pack's plugin, if they would not: the engine's
+    scheduler process must call its plugin loader (read from source, any engine), and the
+    engine's own discovery must choose the pack under `environ` (where it can run here:
+    adapter.delivery.discovery_module)."""
+    engine = engine or InstalledEngine()
+    problems = delivery.loader_problems(engine)
+    plugins = delivery.discovery_module(engine)
+    if plugins is not None:
+        problems += delivery.discovery_problems(environ, plugins)
+    return problems
 
 
 def unknown_flags(environ: Mapping[str, str]) -> list[str]:

@@ -10,17 +10,39 @@ Nothing of the engine runs. The adapters' `check(module)` runs unchanged on thes
 
 What this cannot see: anything computed at import or run time (attributes set in
 `__init__`, decorators that replace a function, values of module constants).
+
+What it reads is untrusted input: only regular files, within size limits (MEMBER_LIMIT,
+TOTAL_LIMIT); anything else is an `EngineSourceError`, one line for the user.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import os
 import pathlib
 import re
+import shutil
+import stat
 import types
 import zipfile
+import zlib
 from typing import Optional
+
+# sglang 0.5.16-0.5.23: the largest .py file is 444 KB (0.5.18 server_args.py), all .py
+# files of 0.5.23 together 68 MB (growing about 8% a release); the limits leave 9x and
+# about 4x headroom, and bound what a crafted wheel can make doctor write or read.
+MEMBER_LIMIT = 4 << 20
+TOTAL_LIMIT = 256 << 20
+_CHUNK = 1 << 20
+
+
+class EngineSourceError(ValueError):
+    """The engine given to `doctor --engine` cannot be read safely or at all."""
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.0f} MiB"
 
 
 class SourceOnly:
@@ -151,7 +173,8 @@ class SourceEngine:
     def __init__(self, root, version: Optional[str] = None):
         self.root = pathlib.Path(root)
         if not (self.root / "sglang").is_dir():
-            raise FileNotFoundError(f"{self.root} holds no sglang/ source tree")
+            raise EngineSourceError(f"{self.root} holds no sglang/ source tree")
+        check_tree(self.root / "sglang")
         self.version = version or read_version(self.root)
         self._modules: dict[str, types.ModuleType] = {}
 
@@ -228,19 +251,93 @@ def read_version(root: pathlib.Path) -> str:
     return "unknown"
 
 
+def check_tree(tree: pathlib.Path) -> None:
+    """Every .py file under `tree` is a regular file within the limits, and no folder in it
+    is a link: a FIFO would hang a reader, a device or a huge file exhaust it. Refused,
+    not skipped: a source the checks cannot read is one they cannot clear."""
+    total = 0
+    for folder, dirs, files in os.walk(tree):
+        for name in dirs:
+            if os.path.islink(os.path.join(folder, name)):
+                raise EngineSourceError(f"{os.path.join(folder, name)} is a symbolic link: doctor --engine reads only "
+                                        "regular files in real folders; copy the engine without links")
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            mode = os.lstat(path)
+            if not stat.S_ISREG(mode.st_mode):
+                kind = "a symbolic link" if stat.S_ISLNK(mode.st_mode) else "not a regular file (FIFO, device or socket)"
+                raise EngineSourceError(f"{path} is {kind}: doctor --engine reads only regular files")
+            if mode.st_size > MEMBER_LIMIT:
+                raise EngineSourceError(f"{path} is {mode.st_size} bytes, over the per-file limit of "
+                                        f"{_mib(MEMBER_LIMIT)} (adapter.source_engine.MEMBER_LIMIT)")
+            total += mode.st_size
+            if total > TOTAL_LIMIT:
+                raise EngineSourceError(f"the .py files under {tree} exceed the total limit of "
+                                        f"{_mib(TOTAL_LIMIT)} (adapter.source_engine.TOTAL_LIMIT)")
+
+
+def _wanted(info: zipfile.ZipInfo) -> bool:
+    """The engine's sources and its distribution metadata (the version); no binaries."""
+    name = info.filename
+    return not info.is_dir() and (
+        (name.startswith("sglang/") and name.endswith(".py"))
+        or (name.count("/") == 1 and name.endswith(".dist-info/METADATA")))
+
+
 def unpack_wheel(wheel, into) -> pathlib.Path:
-    """Unpack the Python sources and metadata of an sglang wheel (not its binaries)."""
+    """Unpack the Python sources and metadata of an sglang wheel (not its binaries), as
+    regular files, never writing more than MEMBER_LIMIT per member or TOTAL_LIMIT in all
+    (counted while writing: the sizes an archive declares may lie)."""
     wheel, into = pathlib.Path(wheel), pathlib.Path(into)
-    with zipfile.ZipFile(wheel) as archive:
-        for member in archive.namelist():
-            if member.endswith(".py") or ".dist-info/" in member:
-                archive.extract(member, into)
+    total = 0
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            for info in filter(_wanted, archive.infolist()):
+                parts = pathlib.PurePosixPath(info.filename).parts
+                if ".." in parts or "\\" in info.filename:
+                    raise EngineSourceError(f"{wheel}: member {info.filename!r} points outside the wheel")
+                if stat.S_ISLNK(info.external_attr >> 16):
+                    raise EngineSourceError(f"{wheel}: member {info.filename} is a symbolic link: "
+                                            "doctor --engine reads only regular files")
+                target = into.joinpath(*parts)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with archive.open(info) as source, open(target, "wb") as out:
+                    written = 0
+                    while chunk := source.read(_CHUNK):
+                        written += len(chunk)
+                        if written > MEMBER_LIMIT:
+                            raise EngineSourceError(f"{wheel}: member {info.filename} unpacks to more than the per-member "
+                                                    f"limit of {_mib(MEMBER_LIMIT)} (adapter.source_engine.MEMBER_LIMIT)")
+                        if total + written > TOTAL_LIMIT:
+                            raise EngineSourceError(f"{wheel}: its .py members unpack to more than the total limit of "
+                                                    f"{_mib(TOTAL_LIMIT)} (adapter.source_engine.TOTAL_LIMIT)")
+                        out.write(chunk)
+                total += written
+    except EngineSourceError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError, OSError) as exc:
+        raise EngineSourceError(f"{wheel} is not a readable wheel: {type(exc).__name__}: {exc}") from None
     return into
 
 
 def open_engine(path, workdir) -> SourceEngine:
     """A wheel file (unpacked into `workdir`) or a folder holding `sglang/`."""
     path = pathlib.Path(path)
-    if path.is_file() and path.suffix == ".whl":
-        return SourceEngine(unpack_wheel(path, pathlib.Path(workdir) / path.stem))
-    return SourceEngine(path)
+    if not os.path.lexists(path):
+        raise EngineSourceError(f"{path} does not exist: give an sglang wheel or a folder holding sglang/")
+    if path.is_dir():
+        return SourceEngine(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise EngineSourceError(f"{path} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise EngineSourceError(f"{path} is neither a regular file nor a folder: give an sglang wheel or a folder holding sglang/")
+    into = pathlib.Path(workdir) / path.stem
+    try:
+        return SourceEngine(unpack_wheel(path, into))
+    except EngineSourceError:
+        shutil.rmtree(into, ignore_errors=True)  # what was written so far goes at once
+        raise

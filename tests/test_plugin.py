@@ -18,15 +18,23 @@ import pytest
 from adapter import folded_fence, runtime
 
 
-def rank_process(doctor_engine: bool, tmp_dir: str, results) -> None:
+# A second engine module that binds the fenced method before the pack applies.
+ALIASING = "sglang.srt.speculative.spec_utils"
+ALIAS = ("\nfrom sglang.srt.speculative.dspark_components.dspark_verify import TargetVerifyExecutor as _Executor\n"
+         "finalize_verify = _Executor.accept_and_finalize\n")
+
+
+def rank_process(doctor_engine, tmp_dir: str, results) -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    if doctor_engine:  # a drifted engine: dspark_verify with its AcceptOuts changed
-        import sys
+    import sys
 
-        from tests.doctored import doctored_module
+    from tests.doctored import doctored_module
 
+    if doctor_engine == "alias":  # an engine that binds the original in a second module
+        sys.modules[ALIASING] = doctored_module(ALIASING, tail=ALIAS, directory=tmp_dir)
+    elif doctor_engine:  # a drifted engine: dspark_verify with its AcceptOuts changed
         sys.modules[folded_fence.VERIFY] = doctored_module(
             folded_fence.VERIFY, ("    out_tokens: torch.Tensor\n", "    out_tokens: torch.Tensor\n    extra: torch.Tensor\n"),
             directory=tmp_dir,
@@ -83,6 +91,9 @@ def test_spawned_rank_is_untouched_when_the_flag_is_unset(monkeypatch, tmp_path,
 @pytest.mark.parametrize("flag,doctor_engine,reason", [
     ("1", True, "AcceptOuts: fields are ('correct_len', 'bonus', 'cap_trim_lens', 'commit_lens', 'new_seq_lens', 'out_tokens', 'extra')"),
     ("yes", False, "DSV41_FOLDED_FENCE='yes' is not understood"),
+    ("1", "alias", f"folded_fence refused on sglang 0.5.23: {ALIASING}.finalize_verify holds the original "
+                   "sglang.srt.speculative.dspark_components.dspark_verify.TargetVerifyExecutor.accept_and_finalize "
+                   "that folded_fence wrapped"),
 ])
 def test_refusal_inside_a_spawned_rank_stops_it(monkeypatch, tmp_path, capfd, flag, doctor_engine, reason):
     code, found = spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=doctor_engine)
