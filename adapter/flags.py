@@ -52,5 +52,6 @@ def resembles(name: str, flags) -> str | None:
     edits away ignoring case), None when it resembles none. Exact names are no miss."""
     if name in flags:
         return None
-    close = sorted((edit_distance(name.upper(), flag), flag) for flag in flags)
+    upper = name.upper()
+    close = sorted((edit_distance(upper, flag), flag) for flag in flags if abs(len(flag) - len(upper)) <= 2)
     return close[0][1] if close and close[0][0] <= 2 else None
