@@ -333,10 +333,18 @@ def engine_variable_names() -> set[str]:
     return names
 
 
+# What a container of the official image sets besides the engine's own (its Dockerfile, the
+# NVIDIA runtime, docker itself) and the pack's image adds.
+CONTAINER = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_REQUIRE_CUDA", "NV_CUDA_LIB_VERSION",
+             "CUDA_VERSION", "CUDA_HOME", "LD_LIBRARY_PATH", "HOSTNAME", "HOME", "PATH", "LANG", "TERM",
+             "PYTHONUNBUFFERED", "DEBIAN_FRONTEND", "PIP_BREAK_SYSTEM_PACKAGES", "SGLANG_ADAPTERS_SNAPSHOT_KERNEL",
+             "TORCH_CUDA_ARCH_LIST", "NCCL_DEBUG", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def test_the_engines_and_this_machines_variables_do_not_trip_it():
     names = engine_variable_names()
     assert len(names) > 700 and "SGLANG_SPEC_TP_SYNC" in names and "CUDA_VISIBLE_DEVICES" in names
-    environ = {name: "1" for name in names} | dict(os.environ)
+    environ = {name: "1" for name in names} | {name: "1" for name in CONTAINER} | dict(os.environ)
     environ = {k: v for k, v in environ.items() if k not in runtime.pack_flags()}
     assert runtime.unknown_flags(environ) == []
 
@@ -345,3 +353,10 @@ def test_did_you_mean_for_a_selector_token():
     decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all,-dspark-mme"}, names=("rank0_broadcast",))
     assert "unknown token 'dspark-mme' (did you mean 'dspark-mem'?)" in decision.outcomes[0].reason
     assert decision.flag_errors == [decision.outcomes[0].reason]
+
+
+def test_a_conflict_names_the_sites_as_the_flags_write_them():
+    decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all", "SGLANG_SPEC_TP_SYNC": "init"}, names=("rank0_broadcast",))
+    reason = decision.outcomes[0].reason
+    assert "SGLANG_SPEC_TP_SYNC='init' selects sites 1,12 but DSV41_SPEC_TP_SYNC='all' selects 1,7,8,9," in reason
+    assert "[" not in reason and decision.flag_errors == []
