@@ -358,5 +358,5 @@ def test_did_you_mean_for_a_selector_token():
 def test_a_conflict_names_the_sites_as_the_flags_write_them():
     decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all", "SGLANG_SPEC_TP_SYNC": "init"}, names=("rank0_broadcast",))
     reason = decision.outcomes[0].reason
-    assert "SGLANG_SPEC_TP_SYNC='init' selects sites 1,12 but DSV41_SPEC_TP_SYNC='all' selects 1,7,8,9," in reason
+    assert "SGLANG_SPEC_TP_SYNC: ='init' selects sites 1,12 but DSV41_SPEC_TP_SYNC='all' selects 1,7,8,9," in reason
     assert "[" not in reason and decision.flag_errors == []
