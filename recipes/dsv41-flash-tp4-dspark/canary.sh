@@ -21,8 +21,11 @@ RATE_MIN=${RATE_MIN:-0.97}
 
 # metric URL NAME: the sum over the metric's series (every TP rank and label set).
 metric() {
-  curl -fsS --max-time 10 "$1/metrics" | awk -v name="$2" \
-    'index($0, name "{") == 1 || index($0, name " ") == 1 { sum += $NF; n++ } END { if (!n) exit 1; print sum / (name ~ /_total$/ ? 1 : n) }'
+  local text
+  text=$(curl -fsS --max-time 10 "$1/metrics") || { echo "canary.sh: cannot read $1/metrics (is the server up?)" >&2; return 1; }
+  awk -v name="$2" \
+    'index($0, name "{") == 1 || index($0, name " ") == 1 { sum += $NF; n++ } END { if (!n) exit 1; print sum / (name ~ /_total$/ ? 1 : n) }' \
+    <<< "$text" || { echo "canary.sh: $1/metrics has no $2 (start the server with --enable-metrics)" >&2; return 1; }
 }
 
 start_base=$(metric "$BASE" sglang:generation_tokens_total)
