@@ -107,7 +107,7 @@ class Decision:
             reason = "the whole pack is off: no adapter is decided or applied in this process"
             if form == "json":
                 return [_json_line(flag=MASTER, value=MASTER_OFF, outcome=OFF, reason=reason, engine=self.engine)]
-            return [_text_line("", MASTER_OFF, OFF, reason, self.engine, flag=MASTER)]
+            return [_text_line(MASTER, MASTER_OFF, OFF, reason, self.engine)]
         return [o.line(form) for o in self.outcomes]
 
     @property
@@ -258,14 +258,15 @@ def switch_problems(environ: Mapping[str, str]) -> list[str]:
     return problems
 
 
-def _text_line(subject: str, value, state: str, reason: str, engine: str, flag: str = "") -> str:
-    """`[sglang-adapters] pid=N adapter FLAG='value': STATE - reason (sglang X)`, the value
-    and then the reason shortened so that the line stays under LINE_LIMIT characters."""
+def _text_line(subject: str, value, state: str, reason: str, engine: str) -> str:
+    """`[sglang-adapters] pid=N <subject>='value': STATE - reason (sglang X)` (subject: the
+    adapter and its flag, or the master switch), the value and then the reason shortened so
+    that the line stays under LINE_LIMIT characters."""
     if value is None:
         shown = "<unset>"
     else:
         shown = repr(value if len(value) <= _VALUE_LIMIT else value[:_VALUE_LIMIT - 3] + "...")
-    head = f"{PREFIX} pid={os.getpid()} {subject or flag}={shown}: {state.upper()} - "
+    head = f"{PREFIX} pid={os.getpid()} {subject}={shown}: {state.upper()} - "
     tail = f" (sglang {engine})"
     room = LINE_LIMIT - len(head) - len(tail)
     if len(reason) > room:
