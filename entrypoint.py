@@ -1,80 +1,265 @@
-"""Container entrypoint of the SGLang adapter pack.
+"""The pack's command line: the console script `sglang-adapters` and the image's ENTRYPOINT.
 
-    entrypoint.py doctor [--json] [--strict] [--engine PATH]
-                                               report every adapter against the installed engine,
-                                               or against a wheel / source tree read without importing it
-    entrypoint.py [launch] SERVER-ARGS...      check flags and engine, apply the adapters here,
-                                               then run `python -m sglang.launch_server SERVER-ARGS...`
+    sglang-adapters                            the doctor report (no arguments)
+    sglang-adapters doctor [--json] [--strict] [--engine PATH]
+    sglang-adapters [--] COMMAND ARGS...       wrapper: check flags and engine, apply here, exec COMMAND
+    sglang-adapters launch SERVER-ARGS...      the engine's server in this process, after the same check;
+    sglang-adapters --model-path ...           bare server arguments are a shorthand for it
+    sglang-adapters version | --version | --help
 
-The launch path stops with exit status 2, before any rank starts, when an adapter is
-refused (bad flag value, drifted engine) or when the ranks could not load the pack.
+Exit statuses: EXIT_STATUSES below, one table for launch, the wrapper and doctor --strict.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import runpy
 import sys
 import tempfile
+import textwrap
 
-from adapter import delivery, load, runtime
-from adapter.contract import InstalledEngine
-from adapter.source_engine import EngineSourceError, open_engine
+from adapter import ADAPTERS, delivery, load, runtime
+from adapter.contract import InstalledEngine, engine_version
+from adapter.source_engine import open_engine
 
 SERVER_MODULE = "sglang.launch_server"
+DIST = "sglang-dsv41-adapters"
+SCHEMA_VERSION = 1  # of `doctor --json` (docs/doctor-report.schema.json): bump on any incompatible change
+
+# Distinct from 1 (an uncaught Python error) and 2 (the engine's own argument parser), and
+# from the wrapped command's statuses, which pass through unchanged.
+EXIT_OK = 0
+EXIT_USAGE = 64  # sysexits EX_USAGE
+EXIT_REFUSED = 69  # sysexits EX_UNAVAILABLE
+EXIT_FLAGS = 78  # sysexits EX_CONFIG
+EXIT_CANNOT_RUN, EXIT_NOT_FOUND = 126, 127  # as a shell says it
+EXIT_STATUSES = (
+    (EXIT_OK, "checked and started (launch, wrapper: then the command's own status, unchanged); "
+              "doctor --strict: nothing refused"),
+    (EXIT_USAGE, "the pack's own command line: an unknown option, no command after --, "
+                 "doctor --engine PATH missing or unreadable"),
+    (EXIT_REFUSED, "refused: an engine that drifted from what an adapter needs, conflicting flags, "
+                   "ranks that would not load the pack; doctor --strict also: an engine check refused"),
+    (EXIT_FLAGS, "a pack flag not understood: a DSV41_* value or name, or a name within two edits of a "
+                 "flag (checked first)"),
+    (EXIT_CANNOT_RUN, "wrapper: COMMAND found but not executable"),
+    (EXIT_NOT_FOUND, "wrapper: COMMAND not found"),
+)
+VERDICT_STATUS = {"ok": EXIT_OK, "flag-error": EXIT_FLAGS, "refused": EXIT_REFUSED}
 
 
-def doctor(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="entrypoint.py doctor", description="Report every adapter's outcome.")
-    parser.add_argument("--json", action="store_true", help="print JSON for machines instead of a table")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if any adapter is refused, on or off")
-    parser.add_argument(
+def pack_version() -> str:
+    try:
+        return importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def version_text() -> str:
+    try:
+        engine = f"sglang {engine_version()} installed"
+    except Exception as exc:  # no engine here: still say what the pack is
+        engine = f"no sglang installed ({type(exc).__name__})"
+    return f"{DIST} {pack_version()} ({engine}; Python {sys.version.split()[0]})"
+
+
+# --- the parser -----------------------------------------------------------------------------
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def flags_help() -> str:
+    lines = []
+    for name in ADAPTERS:
+        adapter = load(name)
+        lines.append(_item(adapter.FLAG, f"{name}: {adapter.SUMMARY}", 21))
+    lines += [
+        _item(runtime.MASTER, "off: the whole pack is off in the launcher and every rank (the rollback)", 21),
+        _item(runtime.LOG_FORMAT, "json: the per-process lines as JSON objects; text (default)", 21),
+        "  Switches take 1/on/true and 0/off/false/none, DSV41_SPEC_TP_SYNC upstream's site selector",
+        "  (all, init, rng, site slugs or numbers, -site); unset is off. Any other value, a DSV41_* name",
+        "  that is no flag, or a name within two edits of one is a start-up error.",
+    ]
+    return "\n".join(lines)
+
+
+def statuses_help() -> str:
+    return "\n".join(_item(str(code), meaning, 5) for code, meaning in EXIT_STATUSES)
+
+
+def _item(key: str, text: str, width: int) -> str:
+    return textwrap.fill(f"{key:<{width}}{text}", 100, initial_indent="  ", subsequent_indent=" " * (width + 2))
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="sglang-adapters",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The SGLang adapter pack: runtime fixes for tensor-parallel divergence in speculative "
+                    "decoding\n(DSpark, DFlash) on sglang 0.5.16-0.5.23, switched per deployment with "
+                    "environment flags.\nA flag does exactly what it says in the launcher and in every TP "
+                    "rank, or the engine does not start.",
+        epilog="forms:\n"
+               "  sglang-adapters                          the doctor report\n"
+               "  sglang-adapters [--] COMMAND [ARGS...]   check flags and engine, apply the adapters here, then\n"
+               "                                           exec COMMAND (sglang serve ..., python3 -m "
+               "sglang.launch_server ...)\n"
+               "  sglang-adapters --model-path ... [...]   bare server arguments: shorthand for launch\n\n"
+               f"flags (environment variables):\n{flags_help()}\n\n"
+               f"exit statuses (launch, the wrapper, doctor --strict):\n{statuses_help()}\n"
+               "  The engine's own argument errors stay 2; a wrapped command's status is its own.",
+    )
+    parser.add_argument("--version", action="version", version=version_text())
+    commands = parser.add_subparsers(dest="command", metavar="{doctor,launch,version}")
+    doctor_parser = commands.add_parser(
+        "doctor", help="report every adapter against the engine (the default)",
+        description="Report every adapter's outcome under the current flags (the decision the launcher and "
+                    "every rank take) and its engine check (switched on at its broadest setting).",
+        epilog=f"exit statuses with --strict:\n{statuses_help()}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor_parser.add_argument("--json", action="store_true",
+                               help=f"print the report as JSON (schema version {SCHEMA_VERSION}: "
+                                    "docs/doctor-report.schema.json)")
+    doctor_parser.add_argument("--strict", action="store_true",
+                               help=f"exit {EXIT_FLAGS} on a flag error, {EXIT_REFUSED} on any refusal, on or off "
+                                    "(docker build runs this)")
+    doctor_parser.add_argument(
         "--engine", metavar="PATH",
         help="check an engine that is not imported here: an sglang wheel, or a folder holding sglang/ "
-        "(an unpacked wheel or site-packages); read from its sources, nothing of it runs",
-    )
-    opts = parser.parse_args(argv)
+             "(an unpacked wheel or site-packages); read from its sources, nothing of it runs")
+    doctor_parser.set_defaults(run=doctor)
+    commands.add_parser(
+        "launch", help="check, apply here, then run the engine's server with SERVER-ARGS in this process",
+        usage="sglang-adapters launch SERVER-ARGS...",
+        description="Check every flag and the engine, apply the adapters in this process, then run "
+                    f"`python -m {SERVER_MODULE} SERVER-ARGS...` here with the arguments unchanged. Every "
+                    "argument after `launch` is the engine's (its help: sglang-adapters python3 -m "
+                    f"{SERVER_MODULE} --help).",
+        epilog=f"exit statuses:\n{statuses_help()}\n  The server's own statuses (2 for its argument errors) "
+               "pass through.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands.add_parser("version", help="print the pack's and the engine's versions").set_defaults(
+        run=lambda opts: print(version_text()) or EXIT_OK)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        return doctor(build_parser().parse_args(["doctor"]))
+    first = argv[0]
+    if first == "launch" and argv[1:2] not in (["-h"], ["--help"]):
+        return launch(argv[1:])  # every argument after `launch` is the engine's, except a lone --help
+    if first in ("doctor", "launch", "version", "-h", "--help", "--version"):
+        opts = build_parser().parse_args(argv)
+        return opts.run(opts)
+    if first == "--":
+        if len(argv) == 1:
+            build_parser().error("no COMMAND after --")
+        return wrap(argv[1:])
+    if first.startswith("-"):
+        return launch(argv)  # bare server arguments: the engine's server
+    return wrap(argv)
+
+
+# --- doctor ---------------------------------------------------------------------------------
+
+def doctor(opts) -> int:
     with tempfile.TemporaryDirectory() as workdir:
-        try:
-            engine = open_engine(opts.engine, workdir) if opts.engine else InstalledEngine()
-        except EngineSourceError as exc:
-            print(f"{runtime.PREFIX} doctor --engine: {exc}", file=sys.stderr, flush=True)
-            return 2
+        if opts.engine:
+            try:
+                engine = open_engine(opts.engine, workdir)
+                engine.version  # noqa: B018  a tree without a readable version is bad input too
+            except (ValueError, OSError) as exc:
+                print(f"{runtime.PREFIX} doctor --engine {opts.engine}: {exc} (exit {EXIT_USAGE}: give an sglang "
+                      "wheel or a folder holding sglang/)", file=sys.stderr, flush=True)
+                return EXIT_USAGE
+        else:
+            engine = InstalledEngine()
         found = report(os.environ, engine)
-        unjudged = opts.engine and not found["delivery_problems"] and delivery.discovery_module(engine) is None
-    ranks = None
-    if unjudged:
-        ranks = (f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at "
-                 f"{opts.engine} is read from its sources and its loader is not the one installed here")
+    status = VERDICT_STATUS[verdict(found)]
     if opts.json:
-        print(json.dumps({key: found[key] for key in ("engine", "adapters", "delivery_problems", "unknown_flags", "problems")}
-                         | {"source": opts.engine}, indent=2))
+        print(json.dumps(as_json(found, opts.engine, status), indent=2))
     else:
-        if found["delivery_problems"] and not found["enabled"]:
+        if not found["ranks_checked"]:
+            ranks = (f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at "
+                     f"{opts.engine} is read from its sources and its loader is not the one installed here")
+        elif found["delivery_problems"] and not found["enabled"]:
             ranks = "; ".join(found["delivery_problems"]) + " (every adapter is off: nothing is lost, the launch goes on)"
+        else:
+            ranks = None
         print(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"]))
-    return 1 if opts.strict and found["failed"] else 0
+        print(f"verdict: {verdict(found)} (doctor --strict exits {status})")
+    return status if opts.strict else EXIT_OK
 
 
 def report(environ, engine) -> dict:
     """doctor's findings: the decision the launcher and every rank take for `environ` on
     `engine`, plus each adapter's engine check (switched on, every other adapter off), so
     that a drifted engine fails `docker build` although the image is built with every flag
-    unset. `failed` is what --strict exits 1 on."""
+    unset. `failed` is what --strict fails on; `flag_errors` the part of it that is the
+    pack's flags not understood."""
     decision = runtime.decide(environ, engine)
     rows = []
     for outcome in decision.outcomes:
         adapter = load(outcome.adapter)
         check = runtime.engine_check(adapter, engine)
-        rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1]})
+        rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1],
+                     "setting": decision.settings.get(outcome.adapter), "machine": runtime.machine_note(outcome.adapter) or None})
+    delivery_problems = runtime.delivery_problems(environ, engine)
     return {
         "engine": decision.engine, "adapters": rows, "enabled": decision.enabled, "problems": decision.problems,
-        "delivery_problems": runtime.delivery_problems(environ, engine),
+        "delivery_problems": delivery_problems,
+        # A release read from source: its ranks' plugin discovery is judged with the installed
+        # loader where that is the same code (adapter.delivery), else it is not checked.
+        "ranks_checked": (isinstance(engine, InstalledEngine) or bool(delivery_problems)
+                          or delivery.discovery_module(engine) is not None),
         "unknown_flags": runtime.unknown_flags(environ),
+        "flag_errors": decision.flag_errors, "switched_off": decision.switched_off,
         "failed": decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows),
+    }
+
+
+def verdict(found: dict) -> str:
+    return "flag-error" if found["flag_errors"] else "refused" if found["failed"] else "ok"
+
+
+def _setting(value):
+    """A parsed setting as JSON: a switch as a boolean, a site selection as its labels."""
+    if value is None or isinstance(value, bool):
+        return value
+    return sorted((getattr(item, "label", str(item)) for item in value), key=lambda label: int(label.split(":")[0]))
+
+
+def as_json(found: dict, source: str | None, status: int) -> dict:
+    """`doctor --json`, schema version SCHEMA_VERSION (docs/doctor-report.schema.json)."""
+    if source:
+        engine = {"version": found["engine"], "source": "path", "path": source}
+    else:
+        spec = importlib.util.find_spec("sglang")
+        engine = {"version": found["engine"], "source": "installed",
+                  "path": os.path.dirname(spec.origin) if spec and spec.origin else None}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "pack": {"name": DIST, "version": pack_version()},
+        "engine": engine,
+        "verdict": verdict(found),
+        "strict_exit_status": status,
+        "switched_off": found["switched_off"],
+        "adapters": [{
+            "adapter": r["adapter"], "flag": r["flag"], "value": r["value"], "setting": _setting(r["setting"]),
+            "outcome": r["state"], "reason": r["reason"], "summary": r["summary"],
+            "engine_check": {"outcome": r["engine_check"], "reason": r["engine_check_reason"]},
+            "machine": r["machine"],
+        } for r in found["adapters"]],
+        "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"]},
+        "flag_errors": found["flag_errors"],
+        "problems": found["problems"],
     }
 
 
@@ -82,7 +267,7 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
                  unknown: list[str] = ()) -> str:
     header = ("adapter", "flag", "value", "outcome", "engine check")
     table = [header] + [
-        (r["adapter"], r["flag"], "<unset>" if r["value"] is None else r["value"], r["state"], r["engine_check"])
+        (r["adapter"], r["flag"], "<unset>" if r["value"] is None else repr(r["value"]), r["state"], r["engine_check"])
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -94,6 +279,8 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
         lines.append(f"  outcome: {r['reason']}")
         if r["engine_check_reason"] != r["reason"]:
             lines.append(f"  engine check: {r['engine_check_reason']}")
+        if r.get("machine"):
+            lines.append(f"  this machine: {r['machine']}")
     lines.append("")
     if ranks is None:
         ranks = "; ".join(delivery) if delivery else "every TP rank loads the pack through the engine's plugin loader"
@@ -103,23 +290,46 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
     return "\n".join(lines)
 
 
+# --- launch and the wrapper -------------------------------------------------------------------
+
+def check_and_apply() -> int:
+    """Decide and apply in this process (one line per adapter on stderr); the exit status
+    that stops the launch, or EXIT_OK."""
+    decision = runtime.apply_once(os.environ)
+    error = decision.error()
+    if error is None:
+        return EXIT_OK
+    print(f"{runtime.PREFIX} {error}", file=sys.stderr, flush=True)
+    return EXIT_FLAGS if decision.flag_errors else EXIT_REFUSED
+
+
 def launch(argv: list[str]) -> int:
-    error = runtime.apply_once(os.environ).error()
-    if error is not None:
-        print(f"{runtime.PREFIX} {error}", file=sys.stderr, flush=True)
-        return 2
+    status = check_and_apply()
+    if status:
+        return status
     sys.argv = [SERVER_MODULE, *argv]
-    runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)
-    return 0
+    runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)  # its SystemExit passes through
+    return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:
-        return doctor(argv[1:])
-    if argv[:1] == ["launch"]:
-        argv = argv[1:]
-    return launch(argv)
+def wrap(command: list[str]) -> int:
+    """Like ddtrace-run: check and apply here, then become COMMAND (exec: same pid, its own
+    signals and exit status). What the adapters hand to the engine's switches is in the
+    environment it inherits; every TP rank it starts applies the adapters through the
+    engine's plugin loader."""
+    status = check_and_apply()
+    if status:
+        return status
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(command[0], command)
+    except FileNotFoundError:
+        print(f"{runtime.PREFIX} {command[0]}: command not found", file=sys.stderr, flush=True)
+        return EXIT_NOT_FOUND
+    except OSError as exc:
+        print(f"{runtime.PREFIX} {command[0]}: cannot run: {exc.strerror}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_RUN
 
 
 if __name__ == "__main__":

@@ -34,3 +34,24 @@ def parse_switch(name: str, environ: Mapping[str, str]) -> bool:
         f"{'/'.join(ON_WORDS)} to switch it on and {'/'.join(OFF_WORDS)} to switch it off "
         f"(any case, no spaces), or leave {name} unset for off"
     )
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions), row by row."""
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, 1):
+        current = [i]
+        for j, char_b in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+def resembles(name: str, flags) -> str | None:
+    """The flag `name` is a near miss of (same letters in another case, or at most two
+    edits away ignoring case), None when it resembles none. Exact names are no miss."""
+    if name in flags:
+        return None
+    upper = name.upper()
+    close = sorted((edit_distance(upper, flag), flag) for flag in flags if abs(len(flag) - len(upper)) <= 2)
+    return close[0][1] if close and close[0][0] <= 2 else None

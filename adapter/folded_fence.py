@@ -51,6 +51,13 @@ def parse(environ: Mapping[str, str] = os.environ) -> bool:
     return parse_switch(FLAG, environ)
 
 
+def machine() -> str:
+    """Which copy this machine's ranks will use (doctor, the per-rank line), told without
+    opening a CUDA context (accept_snapshot.expected_mode)."""
+    mode, why = accept_snapshot.expected_mode()
+    return f"copy: {mode}" if mode == "one-launch" else f"copy: {mode} ({why})"
+
+
 def detach_accept(outs):
     """A copy of an `AcceptOuts` whose fields own their memory (queued on the current
     stream, which is the forward stream where the verify ran). On CUDA one fresh block

@@ -43,7 +43,7 @@ def _guard_scheduler(module) -> None:
         f"{runtime.PREFIX} {SCHEDULER_MODULE}.Scheduler.__init__ is gone: the pack cannot apply "
         "its adapters inside the ranks"
     )
-    if any(load(name).FLAG in os.environ for name in ADAPTERS):
+    if any(load(name).FLAG in os.environ for name in ADAPTERS) and not runtime.switched_off(os.environ):
         # The loader swallows Exception; SystemExit ends this process, so the rank dies.
         raise SystemExit(message)
     print(message, flush=True)

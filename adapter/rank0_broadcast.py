@@ -219,6 +219,10 @@ def _module_plan(contract: Contract, sites: frozenset) -> Plan:
     return Plan("applied", ", ".join(p.where for p in patches), patches)
 
 
+def _numbers(sites) -> str:
+    return ",".join(str(n) for n in sorted(sites)) or "none"
+
+
 def _handover(module, sites: frozenset, context) -> Plan:
     contract = Contract(NAME, module)
     mapped = upstream_sync.to_engine(contract, sites)
@@ -231,8 +235,8 @@ def _handover(module, sites: frozenset, context) -> Plan:
     if their_sites != mapped:
         raise contract.refuse(
             upstream_sync.ENGINE_FLAG,
-            f"={theirs!r} selects {sorted(their_sites)} but {FLAG}={context.environ.get(FLAG)!r} selects "
-            f"{sorted(mapped)}; set one of them or make them agree")
+            f"={theirs!r} selects sites {_numbers(their_sites)} but {FLAG}={context.environ.get(FLAG)!r} selects "
+            f"{_numbers(mapped)}; set one of them or make them agree")
     return Plan("superseded", f"{detail} (already set to the same sites)")
 
 

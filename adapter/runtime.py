@@ -13,6 +13,8 @@ by what each adapter declares it reads (`AFTER`), not by the order of ADAPTERS.
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -21,11 +23,22 @@ from typing import Optional
 
 from . import ADAPTERS, audit, delivery, load, patching
 from .contract import InstalledEngine, Plan, Refused
-from .flags import FlagError
+from .flags import FlagError, resembles
 
 PREFIX = "[sglang-adapters]"
 
 OFF, APPLIED, SUPERSEDED, REFUSED = "off", "applied", "superseded", "refused"
+
+# The pack's own switches besides the adapters' flags. DSV41_ADAPTERS=off: nothing is
+# decided or applied anywhere (the rollback); DSV41_ADAPTERS_LOG=json: the per-process
+# lines as JSON for log pipelines. Any other value of either is a start-up error.
+MASTER = "DSV41_ADAPTERS"
+MASTER_OFF = "off"
+LOG_FORMAT = "DSV41_ADAPTERS_LOG"
+LOG_FORMATS = ("text", "json")
+LINE_LIMIT = 199  # a per-process line stays under 200 characters; details are doctor's
+_VALUE_LIMIT = 32
+_MORE = " ... (details: sglang-adapters doctor)"
 
 
 class AdapterRefused(Exception):
@@ -57,12 +70,15 @@ class Outcome:
     reason: str
     engine: str
 
-    def line(self) -> str:
-        value = "<unset>" if self.value is None else repr(self.value)
-        return (
-            f"{PREFIX} pid={os.getpid()} {self.adapter} {self.flag}={value}: "
-            f"{self.state.upper()} - {self.reason} (sglang {self.engine})"
-        )
+    def line(self, form: str = "text", machine: str = "") -> str:
+        """`machine`: what this machine adds to an applied adapter (the fence's copy), first."""
+        if form == "json":
+            return _json_line(adapter=self.adapter, flag=self.flag, value=self.value, outcome=self.state,
+                              reason=self.reason, engine=self.engine, **({"machine": machine} if machine else {}))
+        # The adapter and release are on the line already: not twice.
+        reason = self.reason.removeprefix(f"{self.adapter} refused on sglang {self.engine}: ")
+        return _text_line(f"{self.adapter} {self.flag}", self.value, self.state,
+                          f"{machine}; {reason}" if machine else reason, self.engine)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,6 +93,21 @@ class Decision:
     outcomes: list[Outcome]
     plans: dict[str, Plan]
     problems: list[str] = field(default_factory=list)
+    # The subset of the refusal reasons that are errors in the pack's own flags (a value
+    # or a name not understood), as opposed to a drifted engine or a conflict.
+    flag_errors: list[str] = field(default_factory=list)
+    settings: dict[str, object] = field(default_factory=dict)
+    switched_off: bool = False  # DSV41_ADAPTERS=off
+
+    def lines(self, form: str = "text") -> list[str]:
+        """What a process that took this decision prints: one line per adapter, or one
+        line in all when the whole pack is switched off."""
+        if self.switched_off:
+            reason = "the whole pack is off: no adapter is decided or applied in this process"
+            if form == "json":
+                return [_json_line(flag=MASTER, value=MASTER_OFF, outcome=OFF, reason=reason, engine=self.engine)]
+            return [_text_line(MASTER, MASTER_OFF, OFF, reason, self.engine)]
+        return [o.line(form, machine_note(o.adapter) if o.state == APPLIED else "") for o in self.outcomes]
 
     @property
     def reasons(self) -> list[str]:
@@ -94,6 +125,13 @@ class Decision:
         if not self.refused:
             return None
         return AdapterRefused("the engine must not start: " + " | ".join(self.reasons))
+
+
+def machine_note(name: str) -> str:
+    """What this machine adds to an adapter's outcome, if the adapter says (`machine()`):
+    not part of the decision, which depends on the flags and the engine only."""
+    adapter = load(name)
+    return adapter.machine() if hasattr(adapter, "machine") else ""
 
 
 def order(names=ADAPTERS) -> list[str]:
@@ -124,6 +162,10 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
     Pure: nothing is patched and nothing is written into the environment."""
     engine = engine or InstalledEngine()
     adapters = {name: load(name) for name in names}
+    if switched_off(environ):
+        reason = f"{MASTER}=off: the whole pack is off"
+        outcomes = [Outcome(n, a.FLAG, environ.get(a.FLAG), OFF, reason, engine.version) for n, a in adapters.items()]
+        return Decision(engine.version, outcomes, {}, switched_off=True)
     settings, flag_errors = {}, {}
     for name, adapter in adapters.items():
         try:
@@ -144,7 +186,9 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
             plans[name] = plan
             handed.update(plan.env)
         outcomes[name] = Outcome(name, adapter.FLAG, environ.get(adapter.FLAG), state, reason, engine.version)
-    decision = Decision(engine.version, [outcomes[n] for n in names], plans, unknown_flags(environ))
+    flag_problems = unknown_flags(environ) + switch_problems(environ)
+    decision = Decision(engine.version, [outcomes[n] for n in names], plans, flag_problems,
+                        flag_errors=list(flag_errors.values()) + flag_problems, settings=settings)
     if decision.enabled:
         decision.problems += delivery_problems(environ, engine)  # ranks that skip the plugin would not apply it
     return decision
@@ -198,9 +242,49 @@ def apply_once(environ: Mapping[str, str] = os.environ) -> Decision:
         if not _applied.refused:
             apply(_applied)
             _applied.problems += audit.problems(patching.applied(), _applied.engine)
-        for outcome in _applied.outcomes:
-            print(outcome.line(), file=sys.stderr, flush=True)
+        for line in _applied.lines(log_format(environ)):
+            print(line, file=sys.stderr, flush=True)
     return _applied
+
+
+def switched_off(environ: Mapping[str, str]) -> bool:
+    return environ.get(MASTER) == MASTER_OFF
+
+
+def log_format(environ: Mapping[str, str]) -> str:
+    return "json" if environ.get(LOG_FORMAT) == "json" else "text"
+
+
+def switch_problems(environ: Mapping[str, str]) -> list[str]:
+    """Start-up errors in the pack's own switches: strict values, as for every flag."""
+    problems = []
+    if environ.get(MASTER) not in (None, MASTER_OFF):
+        problems.append(f"{MASTER}={environ[MASTER]!r} is not understood: set it to 'off' to switch the whole "
+                        f"pack off in the launcher and every rank, or leave it unset")
+    if environ.get(LOG_FORMAT) not in (None, *LOG_FORMATS):
+        problems.append(f"{LOG_FORMAT}={environ[LOG_FORMAT]!r} is not understood: 'json' for one JSON object "
+                        f"per line, 'text' or unset for plain lines")
+    return problems
+
+
+def _text_line(subject: str, value, state: str, reason: str, engine: str) -> str:
+    """`[sglang-adapters] pid=N <subject>='value': STATE - reason (sglang X)` (subject: the
+    adapter and its flag, or the master switch), the value and then the reason shortened so
+    that the line stays under LINE_LIMIT characters."""
+    if value is None:
+        shown = "<unset>"
+    else:
+        shown = repr(value if len(value) <= _VALUE_LIMIT else value[:_VALUE_LIMIT - 3] + "...")
+    head = f"{PREFIX} pid={os.getpid()} {subject}={shown}: {state.upper()} - "
+    tail = f" (sglang {engine})"
+    room = LINE_LIMIT - len(head) - len(tail)
+    if len(reason) > room:
+        reason = reason[:max(room - len(_MORE), 0)].rstrip() + _MORE
+    return head + reason + tail
+
+
+def _json_line(**fields) -> str:
+    return json.dumps({"pack": PREFIX.strip("[]"), "pid": os.getpid(), **fields}, separators=(",", ":"))
 
 
 def delivery_problems(environ: Mapping[str, str], engine=None) -> list[str]:
@@ -216,11 +300,25 @@ def delivery_problems(environ: Mapping[str, str], engine=None) -> list[str]:
     return problems
 
 
+def pack_flags() -> set[str]:
+    """Every variable the pack reads as a flag: the adapters' and its own switches."""
+    return {load(name).FLAG for name in ADAPTERS} | {MASTER, LOG_FORMAT}
+
+
 def unknown_flags(environ: Mapping[str, str]) -> list[str]:
-    """DSV41_* variables no adapter reads: a typo (DSV41_FOLDED_FENSE=1) would otherwise
-    leave the intended adapter off without a word."""
-    known = {load(name).FLAG for name in ADAPTERS}
-    return [
-        f"{key} is not a flag of this pack (its flags: {', '.join(sorted(known))})"
-        for key in sorted(environ) if key.startswith("DSV41_") and key not in known
-    ]
+    """DSV41_* variables the pack does not read, and any variable whose name is a near miss
+    of a flag (another case, or within two edits: dsv41_folded_fence, DSV4_FOLDED_FENCE): a
+    typo would otherwise leave the intended adapter off without a word."""
+    known = pack_flags()
+    problems = []
+    for key in sorted(environ):
+        if key in known:
+            continue
+        near = resembles(key, known)
+        if near is None and key.startswith("DSV41_"):
+            near = next(iter(difflib.get_close_matches(key, known, n=1)), None)
+        elif near is None:
+            continue
+        hint = f"; did you mean {near}?" if near else ""
+        problems.append(f"{key} is not a flag of this pack{hint} (its flags: {', '.join(sorted(known))})")
+    return problems

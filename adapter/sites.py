@@ -13,6 +13,7 @@ changes what the engine does.
 
 from __future__ import annotations
 
+import difflib
 from enum import IntEnum
 
 from .flags import OFF_WORDS, FlagError
@@ -84,7 +85,9 @@ def _resolve(name: str, raw: str, flag: str) -> frozenset:
         return frozenset({RETIRED[name]})
     site = _BY_SLUG.get(name) or _BY_NUMBER.get(name)
     if site is None:
-        raise FlagError(f"{flag}={raw!r}: unknown token {name!r}; accepted: {accepted_forms()}; "
+        close = difflib.get_close_matches(name, [*PRESETS, *_BY_SLUG, *RETIRED], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise FlagError(f"{flag}={raw!r}: unknown token {name!r}{hint}; accepted: {accepted_forms()}; "
                         f"or leave {flag} unset for off")
     return frozenset({site})
 

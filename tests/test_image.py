@@ -305,7 +305,7 @@ def test_doctor_matches_the_recipe(runs):
     done = runs["doctor"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["engine"] == ENGINE and report["delivery_problems"] == []
+    assert report["engine"]["version"] == ENGINE and report["ranks"]["problems"] == []
     rows = {r["flag"]: r for r in report["adapters"]}
     # The env file documents every flag the baked pack has, set or commented out.
     for flag in rows:
@@ -317,7 +317,7 @@ def test_doctor_matches_the_recipe(runs):
         assert flag in expected, f"{ENV_FILE.name} has no '# expect: {flag}=VALUE OUTCOME' line"
         want_value, want_state = expected[flag]
         assert recipe[flag] == want_value, f"{flag}={recipe[flag]} is set but its expect line is for {want_value}"
-        assert (rows[flag]["value"], rows[flag]["state"]) == (recipe[flag], want_state), rows[flag]
+        assert (rows[flag]["value"], rows[flag]["outcome"]) == (recipe[flag], want_state), rows[flag]
 
 
 def test_recipe_is_the_tp4_dspark_deployment():
@@ -351,7 +351,7 @@ def test_launch_hands_the_arguments_to_the_engine_unchanged(runs):
 def test_a_bad_flag_value_stops_the_launch_before_the_engine(image, bad):
     env = read_env_file(ENV_FILE) | {"DSV41_FOLDED_FENCE": bad}
     done = image.run(dockerfile_value("ENTRYPOINT") + read_server_args() + [SENTINEL], env)
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 78, done.stdout[-2000:] + done.stderr[-2000:]
     assert f"[sglang-adapters] the engine must not start: DSV41_FOLDED_FENCE={bad!r} is not understood" in done.stderr
     # The engine's launcher never ran: its parser said nothing, its launch_server warned nothing.
     assert "usage:" not in done.stderr and "sglang.launch_server" not in done.stderr
@@ -419,3 +419,31 @@ def test_allow_clone_fence_ships_the_image_without_the_kernel(image, tmp_path):
     code = "from adapter import accept_snapshot as a; print(a._probe(a.kernel_path(), (9, 0))[0])"
     probe = image.run(["python", "-c", code], {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)})
     assert probe.stdout.strip() == str(("clones", f"kernel not built ({kernel} missing)")), probe.stderr
+
+
+def test_oci_labels_carry_the_packs_version_source_and_revision():
+    args = dockerfile_args()
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert args["PACK_VERSION"] == version, "the image's version label is the pack's version"
+    assert args["PACK_SOURCE"] == args["PACK_REVISION"] == "unknown"
+    labels = " ".join(a for i, a in dockerfile_instructions() if i == "LABEL")
+    for key, arg in (("version", "PACK_VERSION"), ("source", "PACK_SOURCE"), ("revision", "PACK_REVISION")):
+        assert f'org.opencontainers.image.{key}="${{{arg}}}"' in labels
+    # The build stops when the wheel it installs is not the version the label claims.
+    runs = " ".join(a for i, a in dockerfile_instructions() if i == "RUN")
+    assert "m.version('sglang-dsv41-adapters'); sys.exit(None if v == '${PACK_VERSION}'" in runs
+    # The documented build line passes the revision and the source.
+    text = DOCKERFILE.read_text()
+    assert '--build-arg PACK_REVISION="$(git rev-parse HEAD)"' in text and '--build-arg PACK_SOURCE=' in text
+
+
+def test_the_image_runs_the_engines_own_launch_forms_through_the_wrapper(image):
+    """`docker run IMAGE python3 -m sglang.launch_server ...` and `IMAGE sglang serve ...`: the
+    forms of the official image, wrapped (checked, then exec'd) with their statuses unchanged."""
+    entrypoint = dockerfile_value("ENTRYPOINT")
+    env = read_env_file(ENV_FILE)
+    done = image.run(entrypoint + ["python3", "-m", "sglang.launch_server", *read_server_args(), SENTINEL], env)
+    assert done.returncode == 2 and done.stderr.rstrip().endswith(f"unrecognized arguments: {SENTINEL}"), done.stderr[-2000:]
+    assert {m[3]: m[5] for m in adapter_lines(done.stderr)}["DSV41_FOLDED_FENCE"] == "APPLIED"
+    off = image.run(entrypoint + ["python3", "-c", "raise SystemExit(7)"], env | {"DSV41_ADAPTERS": "off"})
+    assert off.returncode == 7 and "DSV41_ADAPTERS='off': OFF" in off.stderr, off.stderr[-2000:]

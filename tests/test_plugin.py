@@ -119,3 +119,25 @@ def test_the_engine_turns_an_exception_in_scheduler_construction_into_a_tree_kil
     assert ast.unparse(handler.type) == "Exception"
     assert "parent_process.send_signal(signal.SIGQUIT)" in ast.unparse(handler)
     assert issubclass(runtime.AdapterRefused, Exception)
+
+
+def test_master_switch_off_leaves_a_spawned_rank_untouched_with_every_flag_set(monkeypatch, tmp_path, capfd):
+    """DSV41_ADAPTERS=off: the rank, loading the pack through the engine's plugin loader with
+    every adapter's flag still set (the fence to a value that would refuse), applies nothing
+    and says so in one line."""
+    monkeypatch.setenv("DSV41_ADAPTERS", "off")
+    monkeypatch.setenv("DSV41_SPEC_TP_SYNC", "all")
+    monkeypatch.setenv("DSV41_GROUP_MIN_MEM", "1")
+    code, found = spawn_rank(monkeypatch, "1", tmp_path)
+    assert code == 0
+    assert "constructor" in found and found["patched"] == ["pack-guard:__init__"]
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(runtime.PREFIX)]
+    assert len(lines) == 1, lines
+    assert "DSV41_ADAPTERS='off': OFF - the whole pack is off" in lines[0] and "sglang 0.5.23" in lines[0]
+
+
+def test_any_other_master_switch_value_stops_a_spawned_rank(monkeypatch, tmp_path, capfd):
+    monkeypatch.setenv("DSV41_ADAPTERS", "0")
+    code, found = spawn_rank(monkeypatch, None, tmp_path)
+    assert code != 0 and "constructor" not in found
+    assert "AdapterRefused: the engine must not start: DSV41_ADAPTERS='0' is not understood" in capfd.readouterr().err

@@ -1,0 +1,362 @@
+"""The pack's command line against the real engine: help texts, the wrapper running real
+commands, the exit-status table, doctor --json against its schema file, the per-process
+lines (length, JSON form), near-miss flag names."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import tomllib
+
+import pytest
+
+import entrypoint
+from adapter import ADAPTERS, load, runtime
+from adapter.source_engine import SourceEngine
+from tests.agreement_cases import combos
+from tests.engines import ROOT, engine_env, python
+
+SCHEMA = json.loads((ROOT / "docs" / "doctor-report.schema.json").read_text())
+SOURCES = ROOT / ".engines" / "src"
+
+
+def cli(*args: str, release: str = "0.5.23", timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    """entrypoint.py with the venv's bin first on PATH, as in the image (python3, sglang)."""
+    path = f"{pathlib.Path(python()).parent}{os.pathsep}{os.environ['PATH']}"
+    return subprocess.run([python(), "entrypoint.py", *args], cwd=ROOT, env=engine_env(release, PATH=path, **env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def pack_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith(runtime.PREFIX)]
+
+
+# --- help and version ------------------------------------------------------------------------
+
+def test_help_explains_the_pack_its_flags_and_exit_statuses(capsys):
+    with pytest.raises(SystemExit) as done:
+        entrypoint.main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: sglang-adapters ") and "The SGLang adapter pack" in text
+    for flag in runtime.pack_flags():
+        assert flag in text
+    for code, _ in entrypoint.EXIT_STATUSES:
+        assert re.search(rf"^  {code} ", text, re.M), code
+    assert "sglang-adapters [--] COMMAND" in text and "--model-path" in text
+    assert len(text.splitlines()) < 60, "the pack's help, not the engine's 2,793 lines"
+
+
+@pytest.mark.parametrize("argv", [["launch", "--help"], ["doctor", "--help"]])
+def test_subcommand_help_is_the_packs(capsys, argv):
+    with pytest.raises(SystemExit) as done:
+        entrypoint.main(argv)
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: sglang-adapters {argv[0]}")
+    assert f"{entrypoint.EXIT_FLAGS}   a pack flag not understood" in text
+    assert "--speculative-algorithm" not in text  # none of the engine's 2,793 lines
+
+
+def test_version_names_the_pack_and_the_engine(capsys):
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit):
+        entrypoint.main(["--version"])
+    flag_form = capsys.readouterr().out.strip()
+    assert entrypoint.main(["version"]) == 0
+    assert capsys.readouterr().out.strip() == flag_form
+    assert flag_form.startswith(f"sglang-dsv41-adapters {version} (sglang 0.5.23 installed; Python 3.")
+
+
+def test_a_usage_error_in_the_packs_command_line_is_64(capsys):
+    with pytest.raises(SystemExit) as done:
+        entrypoint.main(["doctor", "--no-such-option"])
+    assert done.value.code == entrypoint.EXIT_USAGE == 64
+    with pytest.raises(SystemExit) as done:
+        entrypoint.main(["--"])
+    assert done.value.code == 64 and "no COMMAND after --" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/sglang-0.5.23", "README.md", "docs"])
+def test_doctor_engine_with_a_bad_path_is_one_line_and_64(path):
+    done = cli("doctor", "--engine", path, timeout=60)
+    assert done.returncode == 64, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"[sglang-adapters] doctor --engine {path}: ") and "(exit 64:" in line
+
+
+# --- the wrapper, with real commands ----------------------------------------------------------
+
+def test_the_wrapper_passes_the_commands_status_through_and_execs_it():
+    done = cli("python", "-c", "import os; print(os.getpid()); raise SystemExit(7)", DSV41_FOLDED_FENCE="1")
+    assert done.returncode == 7, done.stderr[-3000:]
+    lines = pack_lines(done.stderr)
+    assert [line.split()[2] for line in lines] == list(ADAPTERS)
+    # exec: the command runs as the very process that checked and applied (same pid).
+    assert all(line.startswith(f"[sglang-adapters] pid={done.stdout.strip()} ") for line in lines), lines
+    assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED" in done.stderr
+
+
+@pytest.mark.parametrize("command", [["--", "python3", "-m", "sglang.launch_server"], ["sglang", "serve"]])
+def test_the_wrapper_runs_the_engines_own_server(command):
+    done = cli(*command, "--help", DSV41_SPEC_TP_SYNC="all")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--speculative-algorithm" in done.stdout and "--model-path" in done.stdout
+    assert "rank0_broadcast DSV41_SPEC_TP_SYNC='all': SUPERSEDED" in done.stderr
+
+
+def test_the_wrapper_hands_the_selection_to_the_command():
+    code = "import os; print(os.environ.get('SGLANG_SPEC_TP_SYNC'))"
+    done = cli("python", "-c", code, DSV41_SPEC_TP_SYNC="all,-dspark-draft")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "1,7,8,9,10,11,12,13,14,15,16"
+
+
+def test_the_wrapper_stops_before_the_command_on_a_flag_error():
+    done = cli("python", "-c", "print('ran')", DSV4_FOLDED_FENCE="1", timeout=60)
+    assert done.returncode == entrypoint.EXIT_FLAGS == 78
+    assert "ran" not in done.stdout
+    assert "DSV4_FOLDED_FENCE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE?" in done.stderr
+
+
+def test_a_missing_command_is_127():
+    done = cli("no-such-command-for-sglang-adapters", "--x", timeout=60)
+    assert done.returncode == 127
+    assert "[sglang-adapters] no-such-command-for-sglang-adapters: command not found" in done.stderr
+
+
+# --- one exit-status table for launch, the wrapper and doctor --strict ------------------------
+
+CASES = {
+    "flag value": ({"DSV41_FOLDED_FENCE": "yes"}, 78),
+    "near-miss name": ({"dsv41_folded_fence": "1"}, 78),
+    "master switch value": ({"DSV41_ADAPTERS": "on"}, 78),
+    "log format value": ({"DSV41_ADAPTERS_LOG": "yaml"}, 78),
+    "flag error and conflict": ({"DSV41_GROUP_MIN_MEN": "1", "DSV41_SPEC_TP_SYNC": "all", "SGLANG_SPEC_TP_SYNC": "init"}, 78),
+    "conflict with the engine's switch": ({"DSV41_SPEC_TP_SYNC": "all", "SGLANG_SPEC_TP_SYNC": "init"}, 69),
+    "ranks would skip the plugin": ({"DSV41_FOLDED_FENCE": "1", "SGLANG_PLUGINS": "other"}, 69),
+}
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """A clean pack environment for in-process runs, and a fresh per-process decision."""
+    for key in list(os.environ):
+        if runtime.unknown_flags({key: ""}) or key in runtime.pack_flags() or key.startswith(("SGLANG_SPEC", "SGLANG_PLUGINS")):
+            monkeypatch.delenv(key)
+    monkeypatch.setattr(runtime, "_applied", None)
+
+    def set_env(values):
+        for key, value in values.items():
+            monkeypatch.setenv(key, value)
+    return set_env
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_launch_wrapper_and_strict_doctor_exit_alike(environ, monkeypatch, capsys, case):
+    env, status = CASES[case]
+    environ(env)
+    # Every case is refused before anything starts; were one not, nothing may replace pytest.
+    monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail(f"the wrapper ran {a}"))
+    monkeypatch.setattr(entrypoint.runpy, "run_module", lambda *a, **k: pytest.fail("the server ran"))
+    got = {}
+    for form, argv in (("launch", ["launch", "--model-path", "/nonexistent"]),
+                       ("bare server arguments", ["--model-path", "/nonexistent"]),
+                       ("wrapper", ["--", "python", "-c", "raise SystemExit(0)"])):
+        monkeypatch.setattr(runtime, "_applied", None)
+        got[form] = entrypoint.main(argv)  # refused before the server or the command starts
+    got["doctor --strict"] = entrypoint.main(["doctor", "--strict"])
+    got["doctor"] = entrypoint.main(["doctor"])
+    assert got == {"launch": status, "bare server arguments": status, "wrapper": status,
+                   "doctor --strict": status, "doctor": 0}
+    assert f"verdict: {'flag-error' if status == 78 else 'refused'} (doctor --strict exits {status})" in capsys.readouterr().out
+
+
+def test_the_engines_own_argument_error_stays_2():
+    done = cli("--model-path", "/nonexistent", "--no-such-engine-argument", timeout=240)
+    assert done.returncode == 2
+    assert "unrecognized arguments: --no-such-engine-argument" in done.stderr
+
+
+# --- doctor --json and its schema ---------------------------------------------------------------
+
+def schema_errors(value, schema, where="$") -> list[str]:
+    """What `value` breaks of `schema`, for the keywords the schema file uses (type, const,
+    enum, required, properties, additionalProperties, items): jsonschema is not among the
+    engine's pinned dependencies, and this is all the file needs."""
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    errors = []
+    if "type" in schema:
+        allowed = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(isinstance(value, types[t]) and not (t != "boolean" and isinstance(value, bool)) for t in allowed):
+            return [f"{where}: {value!r} is not {allowed}"]
+    if "const" in schema and value != schema["const"]:
+        errors.append(f"{where}: {value!r} != {schema['const']!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{where}: {value!r} not in {schema['enum']}")
+    if isinstance(value, dict):
+        errors += [f"{where}: {key} missing" for key in schema.get("required", []) if key not in value]
+        properties = schema.get("properties", {})
+        if schema.get("additionalProperties") is False:
+            errors += [f"{where}: {key} not in the schema" for key in value if key not in properties]
+        for key, sub in properties.items():
+            if key in value:
+                errors += schema_errors(value[key], sub, f"{where}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], f"{where}[{i}]")
+    return errors
+
+
+def test_the_schema_check_can_fail():
+    report = {"schema_version": 1, "pack": {"name": "sglang-dsv41-adapters", "version": "0.1.0"}}
+    errors = schema_errors(report | {"verdict": "maybe", "extra": 1}, SCHEMA)
+    assert "$: engine missing" in errors and "$: extra not in the schema" in errors
+    assert "$.verdict: 'maybe' not in ['ok', 'flag-error', 'refused']" in errors
+    assert "$.value: True is not ['string', 'null']" in schema_errors({"value": True}, SCHEMA["properties"]["adapters"]["items"])
+
+
+@pytest.mark.parametrize("args,env,verdict", [
+    ((), {"DSV41_FOLDED_FENCE": "1", "DSV41_SPEC_TP_SYNC": "all,-dspark-draft"}, "ok"),
+    ((), {"DSV41_FOLDED_FENCE": "", "DSV41_ADAPTERS_LOG": "json"}, "flag-error"),
+    ((), {"DSV41_ADAPTERS": "off", "DSV41_FOLDED_FENCE": "1"}, "ok"),
+    (("--engine", str(SOURCES / "0.5.16")), {"DSV41_SPEC_TP_SYNC": "all"}, "refused"),
+])
+def test_doctor_json_matches_its_schema(args, env, verdict):
+    done = cli("doctor", "--json", "--strict", *args, **env)
+    report = json.loads(done.stdout)
+    assert schema_errors(report, SCHEMA) == []
+    assert (report["verdict"], report["strict_exit_status"], done.returncode) == (verdict, *[entrypoint.VERDICT_STATUS[verdict]] * 2)
+    assert report["pack"]["version"] == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    rows = {r["flag"]: r for r in report["adapters"]}
+    assert [r["adapter"] for r in report["adapters"]] == list(ADAPTERS)
+    for flag, value in env.items():
+        if flag in rows:
+            assert rows[flag]["value"] == value  # an empty value stays "", never blank or null
+    if args:
+        assert report["engine"] == {"version": "0.5.16", "source": "path", "path": args[1]}
+        assert report["ranks"]["checked"] is False
+    else:
+        assert report["engine"]["source"] == "installed" and report["engine"]["version"] == "0.5.23"
+    if verdict == "ok" and not report["switched_off"]:
+        assert rows["DSV41_SPEC_TP_SYNC"]["setting"] == [
+            "1:dspark-mem", "7:dspark-plan", "8:dspark-accept-greedy", "9:dspark-accept-sample", "10:dspark-accept-graph",
+            "11:dspark-target", "12:dflash-mem", "13:dflash-selector", "14:dflash-accept-sample", "15:dflash-accept-greedy",
+            "16:dflash-target"]
+        assert rows["DSV41_FOLDED_FENCE"]["setting"] is True
+
+
+def test_doctor_table_shows_an_empty_value_as_quotes():
+    done = cli("doctor", DSV41_SPEC_TP_SYNC="", DSV41_FOLDED_FENCE="on")
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:6]}
+    assert rows["rank0_broadcast"][:4] == ["rank0_broadcast", "DSV41_SPEC_TP_SYNC", "''", "off"]
+    assert rows["folded_fence"][:4] == ["folded_fence", "DSV41_FOLDED_FENCE", "'on'", "applied"]
+
+
+# --- the per-process lines --------------------------------------------------------------------
+
+def all_lines(environ: dict, engine) -> list[str]:
+    decision = runtime.decide(environ, engine)
+    return decision.lines("text")
+
+
+LINE_CASES = [c | fence for c in combos() for fence in ({}, {"DSV41_FOLDED_FENCE": "1"}, {"DSV41_FOLDED_FENCE": "maybe"})] + [
+    {"DSV41_SPEC_TP_SYNC": "all,-dspark-draft," * 20}, {"DSV41_SPEC_TP_SYNC": "all", "SGLANG_SPEC_TP_SYNC": "init"},
+    {"DSV41_SPEC_TP_SYNC": "no-such-site"}, {"DSV41_ADAPTERS": "off"},
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("release", ["installed", "0.5.16", "0.5.18"])
+def test_every_line_is_one_line_under_200_characters(release):
+    engine = None if release == "installed" else SourceEngine(SOURCES / release)
+    states = set()
+    for environ in LINE_CASES:
+        decision = runtime.decide(environ, engine)
+        states |= {(o.adapter, o.state) for o in decision.outcomes}
+        for line in decision.lines("text"):
+            assert len(line) < 200 and "\n" not in line, line
+            assert line.startswith(f"{runtime.PREFIX} pid={os.getpid()} ") and line.endswith(f" (sglang {decision.engine})")
+    # every adapter reached every outcome its releases have (the check covers them all)
+    assert {s for a, s in states} >= {runtime.OFF, runtime.APPLIED, runtime.REFUSED}, states
+
+
+def test_json_lines_for_log_pipelines():
+    done = cli("python", "-c", "pass", DSV41_ADAPTERS_LOG="json", DSV41_FOLDED_FENCE="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    objects = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"pack":"sglang-adapters"')]
+    assert [o["adapter"] for o in objects] == list(ADAPTERS)
+    fence = objects[0]
+    assert (fence["flag"], fence["value"], fence["outcome"], fence["engine"]) == ("DSV41_FOLDED_FENCE", "1", "applied", "0.5.23")
+    assert "DSparkWorkerV2._block_accept_lens" in fence["reason"]  # the whole reason, not the shortened one
+
+
+def test_master_switch_is_one_line_and_applies_nothing():
+    done = cli("python", "-c", "import os; print(os.environ.get('SGLANG_SPEC_TP_SYNC'))", DSV41_ADAPTERS="off",
+               DSV41_FOLDED_FENCE="1", DSV41_SPEC_TP_SYNC="rng", DSV41_GROUP_MIN_MEM="yes", timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
+    (line,) = pack_lines(done.stderr)
+    assert re.fullmatch(r"\[sglang-adapters\] pid=\d+ DSV41_ADAPTERS='off': OFF - the whole pack is off: .* \(sglang 0\.5\.23\)", line)
+
+
+# --- near-miss flag names -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,flag", [
+    ("dsv41_folded_fence", "DSV41_FOLDED_FENCE"), ("DSV4_FOLDED_FENCE", "DSV41_FOLDED_FENCE"),
+    ("DSV41_FOLDED_FENSE", "DSV41_FOLDED_FENCE"), ("DSV41_SPEC_TP_SYN", "DSV41_SPEC_TP_SYNC"),
+    ("DSV41_GROUP_MIN_MEMORY", "DSV41_GROUP_MIN_MEM"), ("DSV41_ADAPTER", "DSV41_ADAPTERS"),
+    ("SV41_FOLDED_FENCEE", "DSV41_FOLDED_FENCE"), ("Dsv41_Adapters_Log", "DSV41_ADAPTERS_LOG"),
+])
+def test_a_near_miss_name_is_a_startup_error_naming_the_flag(name, flag):
+    decision = runtime.decide({name: "1"}, names=())
+    assert decision.refused and decision.flag_errors == decision.problems
+    (problem,) = decision.problems
+    assert problem.startswith(f"{name} is not a flag of this pack; did you mean {flag}?")
+
+
+def test_names_three_edits_away_are_left_alone():
+    assert runtime.unknown_flags({"XSV4_FOLDED_FENCEX": "1", "FOLDED_FENCE": "1", "SGLANG_SPEC_TP_SYNC": "all"}) == []
+
+
+def engine_variable_names() -> set[str]:
+    """Every name the engine documents as an environment variable (sglang.srt.environ's
+    Envs), and every upper-case string literal in its sources that could be one."""
+    import sglang
+    import sglang.srt.environ as environ
+
+    names = {k for k, v in vars(type(environ.envs)).items() if isinstance(v, environ.EnvField)}
+    for path in pathlib.Path(sglang.__file__).parent.rglob("*.py"):
+        names |= set(re.findall(r"""["']([A-Z][A-Z0-9_]{3,40})["']""", path.read_text(errors="replace")))
+    return names
+
+
+# What a container of the official image sets besides the engine's own (its Dockerfile, the
+# NVIDIA runtime, docker itself) and the pack's image adds.
+CONTAINER = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_REQUIRE_CUDA", "NV_CUDA_LIB_VERSION",
+             "CUDA_VERSION", "CUDA_HOME", "LD_LIBRARY_PATH", "HOSTNAME", "HOME", "PATH", "LANG", "TERM",
+             "PYTHONUNBUFFERED", "DEBIAN_FRONTEND", "PIP_BREAK_SYSTEM_PACKAGES", "SGLANG_ADAPTERS_SNAPSHOT_KERNEL",
+             "TORCH_CUDA_ARCH_LIST", "NCCL_DEBUG", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def test_the_engines_and_this_machines_variables_do_not_trip_it():
+    names = engine_variable_names()
+    assert len(names) > 700 and "SGLANG_SPEC_TP_SYNC" in names and "CUDA_VISIBLE_DEVICES" in names
+    environ = {name: "1" for name in names} | {name: "1" for name in CONTAINER} | dict(os.environ)
+    environ = {k: v for k, v in environ.items() if k not in runtime.pack_flags()}
+    assert runtime.unknown_flags(environ) == []
+
+
+def test_did_you_mean_for_a_selector_token():
+    decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all,-dspark-mme"}, names=("rank0_broadcast",))
+    assert "unknown token 'dspark-mme' (did you mean 'dspark-mem'?)" in decision.outcomes[0].reason
+    assert decision.flag_errors == [decision.outcomes[0].reason]
+
+
+def test_a_conflict_names_the_sites_as_the_flags_write_them():
+    decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all", "SGLANG_SPEC_TP_SYNC": "init"}, names=("rank0_broadcast",))
+    reason = decision.outcomes[0].reason
+    assert "SGLANG_SPEC_TP_SYNC: ='init' selects sites 1,12 but DSV41_SPEC_TP_SYNC='all' selects 1,7,8,9," in reason
+    assert "[" not in reason and decision.flag_errors == []
