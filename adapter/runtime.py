@@ -155,11 +155,16 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
 
 def engine_check(adapter, engine=None) -> tuple[str, str]:
     """What `adapter` would do on `engine` if switched on at its broadest setting
-    (CHECK_VALUE), with every other adapter off and no engine switch set: a judgement of
-    the engine alone (doctor's engine check column, the compatibility matrix)."""
+    (CHECK_VALUE), with every other adapter off (but those named in its CHECK_WITH) and no
+    engine switch set: a judgement of the engine alone (doctor's engine check column, the
+    compatibility matrix)."""
     engine = engine or InstalledEngine()
     setting = adapter.parse({adapter.FLAG: adapter.CHECK_VALUE})
-    state, reason, _ = _check(adapter, engine, setting, Context(settings={adapter.NAME: setting}))
+    settings = {adapter.NAME: setting}
+    # An adapter that works on another's changes (CHECK_WITH) is judged with those on.
+    for name, value in getattr(adapter, "CHECK_WITH", {}).items():
+        settings[name] = load(name).parse({load(name).FLAG: value})
+    state, reason, _ = _check(adapter, engine, setting, Context(settings=settings))
     return state, reason
 
 
@@ -221,7 +226,7 @@ def delivery_problems(environ: Mapping[str, str]) -> list[str]:
 def unknown_flags(environ: Mapping[str, str]) -> list[str]:
     """DSV41_* variables no adapter reads: a typo (DSV41_FOLDED_FENSE=1) would otherwise
     leave the intended adapter off without a word."""
-    known = {load(name).FLAG for name in ADAPTERS}
+    known = {flag for name in ADAPTERS for flag in (load(name).FLAG, *getattr(load(name), "EXTRA_FLAGS", ()))}
     return [
         f"{key} is not a flag of this pack (its flags: {', '.join(sorted(known))})"
         for key in sorted(environ) if key.startswith("DSV41_") and key not in known
