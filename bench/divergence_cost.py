@@ -11,7 +11,9 @@ each repetition), for gamma 3 and 7 and bs 1 and 64:
   pack     one step through the pack's broadcast (0.5.16 - 0.5.18): gamma draft broadcasts
            and the accept triple packed into one
 each with the report off, on (DSV41_TP_DIVERGENCE_EVERY at its default) and on with a
-read every call (EVERY=1: what one read of the counters costs).
+read every call (EVERY=1: what one read of the counters costs); and, in the same ranks,
+per_call_no_collective: host time per SpecTpSync.sync call over a stand-in group whose
+broadcast is one in-place add (what the comparison itself adds, without gloo's latency).
 
 GPU (CUDA present): one process, the 0.5.23 SpecTpSync over a stand-in group whose
 broadcast is one in-place add on the device (standing in for the collective's launch; the
@@ -118,7 +120,15 @@ def cpu_rank(rank, world_size, reps, steps, gammas, sizes):
         return step
 
     results = {}
+    local = SpecTpSync(StandInGroup("cpu"))  # no collective: what the comparison itself adds per call
     with contextlib.redirect_stderr(io.StringIO()):  # no divergence here: nothing is printed anyway
+        for bs in sizes:
+            values, times = torch.arange(bs), {v: [] for v in VARIANTS}
+            for _ in range(reps):
+                for variant in VARIANTS:
+                    switch(variant)
+                    times[variant].append(timed(lambda i: local.sync(S.DSPARK_ACCEPT_GRAPH, values), 20 * steps))
+            results[f"per_call_no_collective/bs{bs}"] = {f"engine/{k}": statistics.median(v) for k, v in times.items()}
         for gamma in gammas:
             for bs in sizes:
                 times = {f"{path}/{v}": [] for path in ("engine", "pack") for v in VARIANTS}
@@ -138,8 +148,9 @@ def run_cpu(opts) -> dict:
 
     ranks = run_ranks(2, "bench.divergence_cost:cpu_rank", release="0.5.23", timeout=1800,
                       kwargs={"reps": opts.reps, "steps": opts.steps, "gammas": [3, 7], "sizes": [1, 64]})
-    lines = ["host time per decode step, us (median), 2 gloo ranks on this CPU; + over off",
-             f"{'case':<16}{'rank':>5}" + "".join(f"{v:>26}" for v in ("engine " + x for x in VARIANTS))
+    lines = ["host time per decode step (per_call_no_collective: per site call, a stand-in group), us (median), "
+             "2 gloo ranks on this CPU; + over off",
+             f"{'case':<28}{'rank':>5}" + "".join(f"{v:>26}" for v in ("engine " + x for x in VARIANTS))
              + "".join(f"{v:>24}" for v in ("pack " + x for x in VARIANTS))]
     for case in ranks[0]:
         if case == "diverged":
@@ -148,9 +159,11 @@ def run_cpu(opts) -> dict:
             row = result[case]
             cells = []
             for path in ("engine", "pack"):
+                if f"{path}/off" not in row:
+                    continue
                 off = row[f"{path}/off"]
                 cells += [f"{off:.1f}"] + [f"{row[f'{path}/{v}']:.1f} (+{row[f'{path}/{v}'] - off:.1f})" for v in VARIANTS[1:]]
-            lines.append(f"{case:<16}{rank:>5}" + "".join(f"{c:>26}" for c in cells[:3]) + "".join(f"{c:>24}" for c in cells[3:]))
+            lines.append(f"{case:<28}{rank:>5}" + "".join(f"{c:>26}" for c in cells[:3]) + "".join(f"{c:>24}" for c in cells[3:]))
     print("\n".join(lines))
     assert all(not r["diverged"] for r in ranks), [r["diverged"] for r in ranks]
     return {"mode": "cpu-gloo-2", "ranks": ranks}
@@ -165,7 +178,7 @@ class StandInGroup:
     world_size, rank_in_group = 2, 1
 
     def __init__(self, device):
-        self.zero = torch.zeros((), dtype=torch.int64, device=device)
+        self.zero = torch.zeros((), dtype=torch.int64, device=torch.device(device))
 
     def broadcast(self, tensor, src=0):
         tensor.add_(self.zero)
