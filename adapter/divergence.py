@@ -61,7 +61,7 @@ class Tally:
 _tallies: dict = {}
 _slugs: dict[int, str] = {}  # site number -> slug, as the engine (or the pack) names it
 _calls = 0  # observe() calls made from Python, every site
-_started = False
+_rank: Optional[int] = None  # taken at the first call: at exit the process group may be gone
 _metrics: Optional[dict] = None
 
 
@@ -85,7 +85,7 @@ def _tally(device, capturing: bool, label: str) -> Tally:
 def observe(number: int, slug: str, mine, theirs, every: int) -> None:
     """Count one call of site `number`: `mine` the values this rank computed (kept before
     the broadcast), `theirs` the same tensors after it (rank 0's)."""
-    global _calls, _started
+    global _calls, _rank
     import torch
 
     capturing = _capturing(theirs[0])
@@ -94,8 +94,8 @@ def observe(number: int, slug: str, mine, theirs, every: int) -> None:
     elements = differed[0] if len(differed) == 1 else torch.stack(differed).sum()
     tally.counts[number].add_(torch.stack((tally.one, elements.clamp(max=1), elements)))
     _slugs.setdefault(number, slug)
-    if not _started:
-        _started = True
+    if _rank is None:
+        _rank = _global_rank()
         atexit.register(flush)
     _calls += 1
     if capturing:  # no copy or event query may be recorded into the graph
@@ -125,7 +125,7 @@ def _print_landed(wait: bool = False) -> list[str]:
     return lines
 
 
-def _rank() -> int:
+def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -134,7 +134,7 @@ def _rank() -> int:
 def _lines(delta) -> list[str]:
     rows = delta.tolist()  # host memory: no device sync
     return [
-        f"{PREFIX} pid={os.getpid()} tp_divergence rank={_rank()} site={number}:{_slugs.get(number, '?')} "
+        f"{PREFIX} pid={os.getpid()} tp_divergence rank={_rank} site={number}:{_slugs.get(number, '?')} "
         f"calls={row[CALLS]} diverged_calls={row[DIVERGED_CALLS]} diverged_elements={row[DIVERGED_ELEMENTS]} "
         f"(since the last report)"
         for number, row in enumerate(rows) if row[DIVERGED_CALLS]
@@ -183,10 +183,16 @@ def _export(delta) -> None:
     if _metrics is None:
         # sglang's /metrics aggregates the files every process writes to this folder
         # (prometheus_client multiprocess mode), so a rank's own counters show up there.
-        from prometheus_client import Counter
-
+        try:
+            from prometheus_client import Counter
+        except ImportError as exc:  # the engine requires it; without it, the lines still report
+            print(f"{PREFIX} tp_divergence: no Prometheus counters ({exc})", file=sys.stderr, flush=True)
+            _metrics = {}
+            return
         _metrics = {name: Counter(METRIC_PREFIX + name, doc, labelnames=("rank", "site")) for name, doc in METRICS}
-    rank = str(_rank())
+    if not _metrics:
+        return
+    rank = str(_rank)
     for number, row in enumerate(delta.tolist()):
         if row[CALLS]:
             site = f"{number}:{_slugs.get(number, '?')}"

@@ -165,3 +165,15 @@ def pack_case(rank, world_size, n, skewed, every=5):
         out[str(report)] = _run(step, n, report) | {"states": [o.state for o in decision.outcomes]}
     _configure({}, names)
     return out
+
+
+def exit_case(rank, world_size, k):
+    """k diverged calls on rank 1 at one site, no report before the rank exits: the exit
+    report (atexit) must print them, after the process group is gone."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    tp_sync = SpecTpSync(make_group(rank, world_size))
+    _configure(_report_env(True, 10**9), names=("tp_divergence",))
+    for i in range(2 * k):
+        tp_sync.sync(S.DFLASH_TARGET, torch.arange(BS) + int(rank == 1 and i % 2 == 0))
+    return {"calls": 2 * k}
