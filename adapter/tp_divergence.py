@@ -111,8 +111,8 @@ def _in_place_broadcast(contract: Contract) -> None:
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and n.func.attr == "broadcast"]
     returns = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
-    in_place = len(calls) == 1 and calls[0].args and isinstance(calls[0].args[0], ast.Name) \
-        and calls[0].args[0].id == "values"
+    first = calls[0].args[0] if len(calls) == 1 and calls[0].args else None
+    in_place = isinstance(first, ast.Name) and first.id == "values"
     if not in_place or not returns or not all(isinstance(r.value, ast.Name) and r.value.id == "values" for r in returns):
         raise contract.refuse("SpecTpSync.sync", "no longer broadcasts `values` in place and returns it; "
                                                  "the comparison would not see rank 0's value")
