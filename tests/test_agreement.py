@@ -102,7 +102,8 @@ def test_the_cases_of_the_issue(table):
     assert applied["states"]["rank0_broadcast"] == "applied"
     assert "1:dspark-mem, 12:dflash-mem are served by DSV41_GROUP_MIN_MEM" in applied["reasons"]["rank0_broadcast"]
     init = row(table, "0.5.18", "installed", DSV41_SPEC_TP_SYNC="init", DSV41_GROUP_MIN_MEM="1")
-    assert init["states"] == {"folded_fence": "off", "rank0_broadcast": "refused", "group_min_memory": "applied"}
+    assert init["states"] == {"folded_fence": "off", "rank0_broadcast": "refused", "group_min_memory": "applied",
+                              "tp_divergence": "off"}
     assert "1:dspark-mem by DSV41_GROUP_MIN_MEM" in init["reasons"]["rank0_broadcast"]
     # The divergence report compares what is broadcast: on 0.5.18 the pack's selection, on
     # 0.5.23 the engine's (its default 'all' when the pack hands nothing over).
