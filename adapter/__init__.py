@@ -7,7 +7,7 @@ to patch costs nothing in processes that patch nothing.
 
 import importlib
 
-ADAPTERS = ("folded_fence", "rank0_broadcast", "group_min_memory")
+ADAPTERS = ("folded_fence", "rank0_broadcast", "group_min_memory", "tp_divergence")
 
 
 def load(name: str):

@@ -196,11 +196,16 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
 
 def engine_check(adapter, engine=None) -> tuple[str, str]:
     """What `adapter` would do on `engine` if switched on at its broadest setting
-    (CHECK_VALUE), with every other adapter off and no engine switch set: a judgement of
-    the engine alone (doctor's engine check column, the compatibility matrix)."""
+    (CHECK_VALUE), with every other adapter off (but those named in its CHECK_WITH) and no
+    engine switch set: a judgement of the engine alone (doctor's engine check column, the
+    compatibility matrix)."""
     engine = engine or InstalledEngine()
     setting = adapter.parse({adapter.FLAG: adapter.CHECK_VALUE})
-    state, reason, _ = _check(adapter, engine, setting, Context(settings={adapter.NAME: setting}))
+    settings = {adapter.NAME: setting}
+    # An adapter that works on another's changes (CHECK_WITH) is judged with those on.
+    for name, value in getattr(adapter, "CHECK_WITH", {}).items():
+        settings[name] = load(name).parse({load(name).FLAG: value})
+    state, reason, _ = _check(adapter, engine, setting, Context(settings=settings))
     return state, reason
 
 
@@ -302,7 +307,7 @@ def delivery_problems(environ: Mapping[str, str], engine=None) -> list[str]:
 
 def pack_flags() -> set[str]:
     """Every variable the pack reads as a flag: the adapters' and its own switches."""
-    return {load(name).FLAG for name in ADAPTERS} | {MASTER, LOG_FORMAT}
+    return {flag for name in ADAPTERS for flag in (load(name).FLAG, *getattr(load(name), "EXTRA_FLAGS", ()))} | {MASTER, LOG_FORMAT}
 
 
 def unknown_flags(environ: Mapping[str, str]) -> list[str]:

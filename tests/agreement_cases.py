@@ -16,13 +16,18 @@ MEMORY = [None, "0", "1"]
 
 
 def combos() -> list[dict]:
+    """Every selector with every memory setting, then every selector with the divergence
+    report on (it reads the selector, nothing else)."""
     out = []
-    for selector, memory in itertools.product(SELECTOR, MEMORY):
+    for selector, memory, report in [*itertools.product(SELECTOR, MEMORY, [None]),
+                                     *itertools.product(SELECTOR, [None], ["1"])]:
         env = {}
         if selector is not None:
             env["DSV41_SPEC_TP_SYNC"] = selector
         if memory is not None:
             env["DSV41_GROUP_MIN_MEM"] = memory
+        if report is not None:
+            env["DSV41_TP_DIVERGENCE"] = report
         out.append(env)
     return out
 

@@ -28,7 +28,8 @@ def _free_port() -> int:
 
 
 def run_ranks(world_size: int, target: str, *, release: str = "0.5.23", kwargs: dict | None = None,
-              env: dict[str, str] | None = None, timeout: float = 240) -> list:
+              env: dict[str, str] | None = None, timeout: float = 240, with_stderr: bool = False) -> list:
+    """Each rank's result; with `with_stderr`, (result, what the rank wrote to stderr) pairs."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
@@ -52,5 +53,6 @@ def run_ranks(world_size: int, target: str, *, release: str = "0.5.23", kwargs: 
         lines = [line for line in out.splitlines() if line.startswith(RESULT)]
         if code != 0 or not lines:
             raise AssertionError(f"rank {rank} of {target} failed (exit {code}):\n{err[-4000:]}")
-        results.append(json.loads(lines[-1][len(RESULT):]))
+        result = json.loads(lines[-1][len(RESULT):])
+        results.append((result, err) if with_stderr else result)
     return results

@@ -2,7 +2,7 @@
 
 The table: every DSV41_SPEC_TP_SYNC value in agreement_cases.SELECTOR (unset, 1, all, init,
 rng, off, all,-dspark-mem, 17, dspark-plan,dflash-target) with DSV41_GROUP_MIN_MEM unset,
-0 or 1 (27 combinations), on 0.5.23 and 0.5.18 installed and read from their sources, and
+0 or 1, and with DSV41_TP_DIVERGENCE=1 (36 combinations), on 0.5.23 and 0.5.18 installed and read from their sources, and
 on 0.5.16 from its sources. For every combination:
 - doctor --strict fails exactly when the launch refuses (installed releases);
 - doctor --engine on the release's sources gives each adapter the outcome the installed
@@ -43,10 +43,10 @@ def table():
 
 
 def test_the_table_covers_every_combination_on_three_releases(table):
-    assert len(combos()) == 27
+    assert len(combos()) == 36
     assert {release: sorted(sides) for release, sides in table.items()} == {
         "0.5.23": ["installed", "sources"], "0.5.18": ["installed", "sources"], "0.5.16": ["sources"]}
-    assert all(len(rows) == 27 for sides in table.values() for rows in sides.values())
+    assert all(len(rows) == 36 for sides in table.values() for rows in sides.values())
 
 
 @pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
@@ -102,7 +102,16 @@ def test_the_cases_of_the_issue(table):
     assert applied["states"]["rank0_broadcast"] == "applied"
     assert "1:dspark-mem, 12:dflash-mem are served by DSV41_GROUP_MIN_MEM" in applied["reasons"]["rank0_broadcast"]
     init = row(table, "0.5.18", "installed", DSV41_SPEC_TP_SYNC="init", DSV41_GROUP_MIN_MEM="1")
-    assert init["states"] == {"folded_fence": "off", "rank0_broadcast": "refused", "group_min_memory": "applied"}
+    assert init["states"] == {"folded_fence": "off", "rank0_broadcast": "refused", "group_min_memory": "applied",
+                              "tp_divergence": "off"}
     assert "1:dspark-mem by DSV41_GROUP_MIN_MEM" in init["reasons"]["rank0_broadcast"]
+    # The divergence report compares what is broadcast: on 0.5.18 the pack's selection, on
+    # 0.5.23 the engine's (its default 'all' when the pack hands nothing over).
+    for side in ("installed", "sources"):
+        states = {(release, sel): row(table, release, side, DSV41_SPEC_TP_SYNC=sel, DSV41_TP_DIVERGENCE="1")
+                  ["states"]["tp_divergence"] for release in ("0.5.18", "0.5.23") for sel in (None, "all", "off", "init")}
+        assert states == {("0.5.18", None): "refused", ("0.5.18", "all"): "applied", ("0.5.18", "off"): "refused",
+                          ("0.5.18", "init"): "refused", ("0.5.23", None): "applied", ("0.5.23", "all"): "applied",
+                          ("0.5.23", "off"): "applied", ("0.5.23", "init"): "refused"}, side
     # 0.5.16 cannot cover the folded draft: "all" is refused, naming the way out.
     assert "all,-dspark-draft" in row(table, "0.5.16", "sources", DSV41_SPEC_TP_SYNC="all")["reasons"]["rank0_broadcast"]

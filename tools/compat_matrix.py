@@ -68,6 +68,12 @@ def outcomes(version: str) -> dict[str, tuple[str, str]]:
     return {name: runtime.engine_check(load(name), engine) for name in ADAPTERS}
 
 
+def _with(adapter) -> str:
+    """The other adapters' settings an engine check assumes (CHECK_WITH)."""
+    found = getattr(adapter, "CHECK_WITH", {})
+    return "".join(f" with `{load(name).FLAG}={value}`" for name, value in found.items())
+
+
 def render(matrix: dict[str, dict[str, tuple[str, str]]]) -> str:
     lines = [
         "# Compatibility matrix",
@@ -78,7 +84,7 @@ def render(matrix: dict[str, dict[str, tuple[str, str]]]) -> str:
         "",
         "Each cell is the adapter's engine check on that release (applied, superseded, refused): what",
         "`entrypoint.py doctor` reports as the engine check, i.e. the outcome with the flag at its broadest setting ("
-        + ", ".join(f"`{load(name).FLAG}={load(name).CHECK_VALUE}`" for name in ADAPTERS) + ").",
+        + ", ".join(f"`{load(name).FLAG}={load(name).CHECK_VALUE}`" + _with(load(name)) for name in ADAPTERS) + ").",
         "",
         "| release | " + " | ".join(f"`{name}` (`{load(name).FLAG}`)" for name in ADAPTERS) + " |",
         "|---|" + "---|" * len(ADAPTERS),

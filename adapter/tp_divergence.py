@@ -1,0 +1,174 @@
+"""Divergence report per rank-0 broadcast site (DSV41_TP_DIVERGENCE).
+
+After a rank-0 broadcast every rank holds rank 0's value, which hides where and how
+often the ranks disagreed. With this flag on, each rank compares, at every active
+broadcast site, the value it computed with the one rank 0 broadcast, and counts per
+site the calls, the calls that differed and the elements that differed, on the device
+(adapter.divergence), reporting them every DSV41_TP_DIVERGENCE_EVERY calls and at exit.
+
+The sites are those broadcast on this deployment: on 0.5.16 - 0.5.18 the pack's own
+(rank0_broadcast's selection, through its `broadcast`); on 0.5.19+ the engine's
+`SpecTpSync.sync`, at the sites SGLANG_SPEC_TP_SYNC selects as the ranks will read it.
+The memory sites (1, 12) reduce free memory to a group minimum at start-up and broadcast
+no value: nothing to compare there. The broadcast values are left as they were.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional
+
+from . import divergence, upstream_sync
+from .contract import POSITIONAL, Contract, Patch, Plan, Refused, target_modules, version_of
+from .flags import FlagError, parse_switch
+from .sites import Site, labels
+
+NAME = "tp_divergence"
+FLAG = "DSV41_TP_DIVERGENCE"
+EVERY_FLAG = "DSV41_TP_DIVERGENCE_EVERY"
+EXTRA_FLAGS = (EVERY_FLAG,)
+SUMMARY = "count, per rank-0 broadcast site and rank, the calls where this rank's own value differed from rank 0's"
+CHECK_VALUE = "1"  # the setting doctor's engine check and the compatibility matrix use
+# Judged with the pack's broadcast at its broadest setting: without it there is nothing to
+# compare on 0.5.16 - 0.5.18, so the engine check would say nothing about the engine.
+CHECK_WITH = {"rank0_broadcast": "all"}
+AFTER = ("rank0_broadcast",)  # reads its setting (before 0.5.19) and its hand-over (0.5.19+)
+# Site calls between two reads of the counters; a read costs one copy to pinned host
+# memory and no wait (bench/divergence_cost.py).
+DEFAULT_EVERY = 1000
+
+PACK_BROADCAST = "adapter.rank0_broadcast"
+MEMORY_WHY = "a group minimum of free memory at start-up, no value broadcast"
+NOT_COMPARED = {Site.DSPARK_MEM: MEMORY_WHY, Site.DFLASH_MEM: MEMORY_WHY}
+NOT_COMPARED_BEFORE_19 = {**NOT_COMPARED, Site.DSPARK_PLAN: "broadcast by the engine itself before 0.5.19",
+                          Site.DFLASH_SELECTOR: "does not exist before 0.5.19"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    every: int
+
+
+def parse_every(environ: Mapping[str, str]) -> int:
+    raw = environ.get(EVERY_FLAG)
+    if raw is None:
+        return DEFAULT_EVERY
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise FlagError(f"{EVERY_FLAG}={raw!r} is not understood; it takes a positive whole number of site calls "
+                        f"between two reports (digits only, no spaces), or leave it unset for {DEFAULT_EVERY}")
+    return int(raw)
+
+
+def parse(environ: Mapping[str, str] = os.environ) -> Optional[Setting]:
+    every = parse_every(environ)  # a bad value is refused even with the report off
+    return Setting(every) if parse_switch(FLAG, environ) else None
+
+
+# ---------------------------------------------------------------- wrappers
+
+
+def _compare_broadcast(every, wrapped, instance, args, kwargs):
+    """Around the pack's broadcast(family, site, *tensors) (0.5.16 - 0.5.18)."""
+    from .broadcast import group_of
+
+    family, site, *tensors = args
+    if group_of(family).world_size == 1:  # nothing is broadcast
+        return wrapped(*args, **kwargs)
+    mine = [t.clone() for t in tensors]
+    result = wrapped(*args, **kwargs)
+    divergence.observe(int(site), site.slug, mine, tensors, every)
+    return result
+
+
+def _site_and_values(site, values):
+    return site, values
+
+
+def _compare_sync(every, wrapped, instance, args, kwargs):
+    """Around SpecTpSync.sync(site, values) (0.5.19+): only where it broadcasts."""
+    site, values = _site_and_values(*args, **kwargs)
+    if not instance.enabled(site):
+        return wrapped(*args, **kwargs)
+    mine = values.clone()
+    result = wrapped(*args, **kwargs)
+    divergence.observe(int(site), site.slug, (mine,), (result,), every)
+    return result
+
+
+# ---------------------------------------------------------------- declaration
+
+
+def _in_place_broadcast(contract: Contract) -> None:
+    """SpecTpSync.sync broadcasts `values` in place and returns it: the wrapper keeps a copy
+    of the caller's value before and compares it with what sync returns."""
+    contract.params("SpecTpSync.sync", {"site": POSITIONAL, "values": POSITIONAL})
+    contract.params("SpecTpSync.enabled", {"site": POSITIONAL})
+    tree = ast.parse(contract.function_source("SpecTpSync.sync").strip())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "broadcast"]
+    returns = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
+    first = calls[0].args[0] if len(calls) == 1 and calls[0].args else None
+    in_place = isinstance(first, ast.Name) and first.id == "values"
+    if not in_place or not returns or not all(isinstance(r.value, ast.Name) and r.value.id == "values" for r in returns):
+        raise contract.refuse("SpecTpSync.sync", "no longer broadcasts `values` in place and returns it; "
+                                                 "the comparison would not see rank 0's value")
+
+
+def _engine_plan(module, setting: Setting, context) -> Plan:
+    contract = Contract(NAME, module)
+    _in_place_broadcast(contract)
+    names = {number: name for name, number in upstream_sync.engine_sites(contract).items()}
+    if max(names) >= divergence.ROWS:
+        raise contract.refuse("SpecTpSyncSite", f"numbers reach {max(names)}; the counters hold {divergence.ROWS} rows")
+    what, selected = upstream_sync.selected(contract, context)
+    memory = {int(s) for s in NOT_COMPARED}
+    compared = sorted(n for n in selected if n not in memory)
+    label = lambda n: f"{n}:{names[n].lower().replace('_', '-')}"  # noqa: E731
+    if not compared:
+        raise Refused(NAME, FLAG, f"no site broadcasts a value ({what}): there is nothing to compare; "
+                                  f"select broadcast sites or unset {FLAG}", version_of(module))
+    off = sorted(set(names) - set(compared) - memory)
+    detail = (f"compares {', '.join(label(n) for n in compared)} at {module.__name__}.SpecTpSync.sync, as {what} "
+              f"selects; not compared: {', '.join(label(n) for n in sorted(memory & set(names)))} ({MEMORY_WHY})"
+              + (f"; off: {', '.join(label(n) for n in off)}" if off else "")
+              + f"; report every {setting.every} calls and at exit")
+    owner = contract.attr("SpecTpSync")
+    return Plan("applied", detail, [Patch(owner, "sync", functools.partial(_compare_sync, setting.every))])
+
+
+def _pack_plan(engine, setting: Setting, context) -> Plan:
+    """0.5.16 - 0.5.18: the pack's own broadcast, at the sites rank0_broadcast serves."""
+    import importlib
+
+    from .rank0_broadcast import FLAG as SELECTOR, SERVED_ELSEWHERE
+
+    selected = context.settings.get("rank0_broadcast")
+    if not selected:
+        raise Refused(NAME, FLAG, f"no site is broadcast on this release while {SELECTOR} is off: there is nothing "
+                                  f"to compare; switch {SELECTOR} on (e.g. all) or unset {FLAG}", engine.version)
+    compared = frozenset(selected) - SERVED_ELSEWHERE.keys()
+    if not compared:
+        raise Refused(NAME, FLAG, f"{SELECTOR} selects no site the pack broadcasts on this release "
+                                  f"({labels(selected)}): there is nothing to compare; unset {FLAG}", engine.version)
+    pack = Contract(NAME, importlib.import_module(PACK_BROADCAST))
+    pack.params("broadcast", {"family": POSITIONAL, "site": POSITIONAL})
+    skipped = "; ".join(f"{s.label}: {why}" for s, why in sorted(NOT_COMPARED_BEFORE_19.items()))
+    off = frozenset(Site) - compared - NOT_COMPARED_BEFORE_19.keys()
+    detail = (f"compares {labels(compared)} at the pack's broadcast ({PACK_BROADCAST}.broadcast); not compared: "
+              f"{skipped}" + (f"; off in {SELECTOR}: {labels(off)}" if off else "")
+              + f"; report every {setting.every} calls and at exit")
+    return Plan("applied", detail,
+                [Patch(pack.module, "broadcast", functools.partial(_compare_broadcast, setting.every))])
+
+
+def check(engine, setting: Setting, context) -> Plan:
+    """What comparing every active broadcast site takes on `engine`; patches nothing."""
+    modules = target_modules(NAME, engine, ((upstream_sync.MODULE, False),))
+    if upstream_sync.MODULE in modules:
+        return _engine_plan(modules[upstream_sync.MODULE], setting, context)
+    return _pack_plan(engine, setting, context)
+

@@ -1,0 +1,188 @@
+"""tp_divergence on a GPU: a broadcast site inside a captured CUDA graph counts on every
+replay, with no host synchronisation (sglang 0.5.23 `SpecTpSync`, and the pack's own
+broadcast that serves 0.5.16 - 0.5.18).
+
+A single process, a world of one: the TP group is a stand-in for rank 1's, whose
+"broadcast" writes rank 0's value as this rank's own plus `skew`, a device tensor the test
+sets before each replay (a device op, no host sync). So a replay diverges exactly when the
+skew is nonzero, by exactly the elements it covers. The counters are read only after
+the replays; the replay loop runs under torch.cuda.set_sync_debug_mode("error"), so any
+host synchronisation there raises. The real TP2 run over NCCL is issue 16's.
+
+Skipped without CUDA. On the GPU machine, with the pack and the sglang 0.5.23 sources on
+PYTHONPATH: `python3 -m pytest tests/test_divergence_gpu.py -q -rA`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from adapter import divergence, runtime
+from adapter import tp_divergence as t
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: the counters must advance on CUDA graph replays"
+)
+
+BS, REPLAYS = 64, 40
+SKEWED = frozenset(range(3, REPLAYS, 7))  # k = 6 of n = 40 replays
+
+
+class SkewedGroup:
+    """Rank 1's TP group in a world of one: rank 0's value is this rank's own plus `skew`."""
+
+    world_size, rank_in_group = 2, 1
+
+    def __init__(self, skew):
+        self.skew = skew
+
+    def broadcast(self, tensor, src=0):
+        tensor.add_(self.skew)  # in place, on the device, where a captured broadcast writes
+        return tensor
+
+
+@pytest.fixture
+def report_on(monkeypatch):
+    """The report switched on through the runtime, as every rank does (the installed engine
+    judged without the plugin-delivery check: the pack may sit on PYTHONPATH here)."""
+    from tests.doctored import DoctoredEngine
+
+    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)  # the engine's default: all
+    decision = runtime.decide({t.FLAG: "1", t.EVERY_FLAG: "8"}, DoctoredEngine({}), names=(t.NAME,))
+    runtime.apply(decision)
+    yield decision
+    runtime.revert()
+    divergence.reset()
+
+
+def replay(graph, skew, steps=REPLAYS):
+    """Replay `steps` times, the skew set on the device before each; no host sync allowed."""
+    ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
+    calls = divergence._calls
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(steps):
+            skew.copy_(ones if i in SKEWED else zeros)
+            graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert divergence._calls == calls  # the replays ran no Python: the graph counts alone
+    torch.cuda.synchronize()
+
+
+def test_spec_tp_sync_site_counts_every_replay(report_on, capsys):
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    assert report_on.outcomes[0].state == runtime.APPLIED
+    device = torch.device("cuda")
+    skew = torch.zeros((), dtype=torch.int64, device=device)
+    skewed, steady = SpecTpSync(SkewedGroup(skew)), SpecTpSync(SkewedGroup(torch.zeros_like(skew)))
+    source = torch.arange(BS, device=device)
+    accept, draft = torch.empty_like(source), torch.empty_like(source)
+
+    def region():  # as DsparkVerifyEpilogue._accept and the folded draft sync inside their graphs
+        accept.copy_(source)
+        skewed.sync(S.DSPARK_ACCEPT_GRAPH, accept)
+        draft.copy_(source)
+        steady.sync(S.DSPARK_DRAFT, draft)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        region()  # the eager warm-up sglang runs before capture: it makes the counters
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    divergence.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        region()
+    replay(graph, skew)
+
+    totals = divergence.totals()
+    k = len(SKEWED)
+    assert totals == {"10:dspark-accept-graph": [REPLAYS, k, k * BS], "17:dspark-draft": [REPLAYS, 0, 0]}
+    assert torch.equal(accept, source)  # the last replay was not skewed: rank 0's value is ours
+    lines = divergence.flush()
+    assert len(lines) == 1 and "site=10:dspark-accept-graph" in lines[0]
+    assert f"calls={REPLAYS} diverged_calls={k} diverged_elements={k * BS}" in lines[0]
+    assert lines[0] in capsys.readouterr().err
+
+
+def test_eager_calls_make_no_host_sync(report_on, capsys):
+    """Eager site calls, reports included (every 8 calls: a copy to pinned memory, printed
+    once it has landed), under sync debug mode "error"."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    skew = torch.zeros((), dtype=torch.int64, device="cuda")
+    tp_sync = SpecTpSync(SkewedGroup(skew))
+    values = torch.arange(BS, device="cuda")
+    tp_sync.sync(S.DSPARK_TARGET, values.clone())  # makes the counters
+    torch.cuda.synchronize()
+    divergence.reset()
+    ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(REPLAYS):
+            skew.copy_(ones if i in SKEWED else zeros)
+            tp_sync.sync(S.DSPARK_TARGET, values.clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    divergence.flush()
+    printed = [line for line in capsys.readouterr().err.splitlines() if "tp_divergence" in line]
+    diverged = sum(int(line.split("diverged_calls=")[1].split()[0]) for line in printed)
+    assert diverged == len(SKEWED) and len(printed) > 1
+    assert divergence.totals() == {"11:dspark-target": [REPLAYS, len(SKEWED), len(SKEWED) * BS]}
+
+
+def test_pack_broadcast_counts_every_replay():
+    """The pack's broadcast (0.5.16 - 0.5.18), the accept triple packed into one collective,
+    with tp_divergence's wrapper as its plan installs it there."""
+    import wrapt
+
+    from adapter import broadcast as b
+    from adapter.sites import Site
+
+    device = torch.device("cuda")
+    skew = torch.zeros((), dtype=torch.int64, device=device)
+    b.bind_group(b.DSPARK, SkewedGroup(skew))
+    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t._compare_broadcast, 1000))
+    source = torch.arange(3 * BS, device=device).view(3, BS)
+    triple = [torch.empty(BS, dtype=torch.int64, device=device) for _ in range(3)]
+
+    def region():  # as rank0_broadcast's wrapper on accept_greedy_triton inside the verify graph
+        for row, t_ in zip(source, triple):
+            t_.copy_(row)
+        compared(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *triple)
+
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            region()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        divergence.reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            region()
+        replay(graph, skew)
+        k = len(SKEWED)
+        assert divergence.totals() == {"10:dspark-accept-graph": [REPLAYS, k, k * 3 * BS]}
+    finally:
+        b._groups.clear()
+        divergence.reset()
+
+
+def test_first_call_inside_capture_is_refused():
+    """A counter made inside capture would be zeroed by every replay: refused, naming the site."""
+    from adapter.sites import Site
+
+    divergence._tallies.clear()
+    values = torch.arange(BS, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="10:dspark-accept-graph first ran inside CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            divergence.observe(int(Site.DSPARK_ACCEPT_GRAPH), "dspark-accept-graph", [values.clone()], [values], 8)
