@@ -78,6 +78,13 @@ class InstalledEngine:
         """The module, or None when this release does not have it."""
         return importlib.import_module(name) if installed(name) else None
 
+    def files(self) -> dict:
+        """Module name -> path of every .py file of the installed sglang package."""
+        from .census import python_files
+
+        spec = importlib.util.find_spec("sglang")
+        return python_files(pathlib.Path(spec.submodule_search_locations[0]).parent)
+
 
 def sibling(module, name: str):
     """Another module of the same engine as `module`: read from the same source tree

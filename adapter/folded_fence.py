@@ -23,8 +23,8 @@ import textwrap
 from collections.abc import Mapping
 from typing import Optional
 
-from . import accept_snapshot, fence_boundary
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, combine, package_dir, target_modules
+from . import accept_snapshot, census, fence_boundary
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, combine, target_modules
 from .flags import parse_switch
 
 NAME = "folded_fence"
@@ -138,16 +138,55 @@ def _reader_uses(contract: Contract, allowed) -> list:
         reader, allowed, attribute=True, required=False, ignore=lambda f: id(f.node) in written)]
 
 
-def _refuse_unpatched_readers(contract: Contract) -> None:
-    """A module of the speculative package outside ESCAPES that takes epilogue views is
-    an escape route in a module the fence never sees."""
-    root = package_dir(contract.module, SPEC)
-    for path in sorted(root.rglob("*.py")):
-        name = f"{SPEC}." + ".".join(path.relative_to(root).with_suffix("").parts)
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if name in ESCAPES or not any(reader in text for reader in READERS):
-            continue
-        _reader_uses(Contract(NAME, contract.module, name=name, source=text), ())
+# The census (adapter.census): every reference anywhere in the engine to an epilogue
+# reader or to one of its persistent buffers must be at one of these sites.
+EPILOGUE = "DsparkVerifyEpilogue"
+# Reader calls whose views are written through (`out=` / `*_out=`), checked as such by
+# _reader_uses in their module.
+WRITE_TARGETS = {VERIFY: (f"{EPILOGUE}._accept",), SAMPLING_ACCEPT_GRAPH: ("sampling_accept_commit_lens",)}
+# The epilogue's own methods that touch its buffers, reviewed on 0.5.16-0.5.23: they
+# allocate them, pass them as write targets, copy out of them in place, or (the
+# readers) hand out the views the escape routes return.
+EPILOGUE_INTERNALS = ("__init__", "read_accept", "read_block_accept_lens", "_accept", "_accept_static_greedy",
+                      "_static_accept_tail", "_scatter_future_relay", "run_static")
+OVERLAP_UTILS = "sglang.srt.managers.overlap_utils"
+
+
+def census_sites(buffers: frozenset) -> list:
+    readers = frozenset(READERS)
+    sites = [census.Site(module, function, readers, frozenset({census.ATTRIBUTE}), "escape route, fenced")
+             for module, functions in ESCAPES.items() for function in functions]
+    sites += [census.Site(module, function, readers, frozenset({census.ATTRIBUTE}), "checked not to escape")
+              for module, functions in (*NOT_ESCAPES.items(), *WRITE_TARGETS.items()) for function in functions]
+    sites.append(census.Site(VERIFY, EPILOGUE, readers, frozenset({census.DEFINITION}), "the readers' definitions"))
+    sites += [census.Site(VERIFY, f"{EPILOGUE}.{method}", buffers, frozenset({census.ATTRIBUTE}),
+                          "the epilogue's own use of its buffers", receiver="self") for method in EPILOGUE_INTERNALS]
+    # FutureMap keeps a buffer of its own under one of these names (the epilogue scatters into
+    # its relay by copy).
+    sites.append(census.Site(OVERLAP_UTILS, "FutureMap", frozenset({"new_seq_lens_buf"}), frozenset({census.ATTRIBUTE}),
+                             "FutureMap's own buffer of the same name", receiver="self"))
+    return sites
+
+
+def epilogue_buffers(contract: Contract) -> frozenset:
+    """The persistent buffers the readers hand out views of, read from their source."""
+    buffers = set()
+    for reader in READERS:
+        if not hasattr(contract.attr(EPILOGUE), reader):
+            continue  # read_block_accept_lens exists from 0.5.23
+        tree = ast.parse(textwrap.dedent(contract.function_source(f"{EPILOGUE}.{reader}")))
+        buffers |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    if not buffers:
+        raise contract.refuse(f"{EPILOGUE}.read_accept", "reads no buffer of the epilogue; what its views alias is unknown")
+    return frozenset(buffers)
+
+
+def _census(engine, verify) -> None:
+    """No reference to a reader or a buffer outside the known sites (adapter.census)."""
+    buffers = epilogue_buffers(Contract(NAME, verify))
+    census.refuse_unknown(NAME, engine, set(READERS) | buffers, census_sites(buffers),
+                          "an epilogue reader or persistent buffer, whose views the fence may not cover,")
 
 
 FOLDED = "TargetVerifyExecutor.accept_and_finalize"
@@ -256,7 +295,6 @@ def _module_plan(contract: Contract) -> Plan:
         _check_construction(contract)
         contract.params(READ, {"self": POSITIONAL, "bs": POSITIONAL})
         contract.params(FOLDED, ESCAPE_PARAMS[FOLDED])
-        _refuse_unpatched_readers(contract)
     escapes = ESCAPES[key]
     found = _reader_uses(contract, tuple(escapes) + tuple(NOT_ESCAPES.get(key, ())))
     seen = sorted({f.function for f in found if f.function in escapes})
@@ -283,12 +321,14 @@ def _module_plan(contract: Contract) -> Plan:
 
 
 def check(engine, enabled: bool, context) -> Plan:
-    """What fencing every escape route takes on `engine`; patches nothing. Where the fence
-    applies, the results are also checked where they leave the worker (fence_boundary)."""
-    contracts = [Contract(NAME, module) for module in target_modules(NAME, engine, TARGETS).values()]
-    plan = combine(NAME, engine.version, [_module_plan(contract) for contract in contracts])
+    """What fencing every escape route takes on `engine`; patches nothing. Every reference
+    to a reader or buffer must be at a known site (the census), and where the fence applies
+    the results are also checked where they leave the worker (fence_boundary)."""
+    modules = target_modules(NAME, engine, TARGETS)
+    contracts = {name: Contract(NAME, module) for name, module in modules.items()}
+    plan = combine(NAME, engine.version, [_module_plan(contract) for contract in contracts.values()])
+    _census(engine, modules[VERIFY])
     if plan.state == "applied":
-        worker = next(c for c in contracts if c.module.__name__ == WORKER)
-        plan.patches.append(_boundary_patch(worker))
+        plan.patches.append(_boundary_patch(contracts[WORKER]))
         plan.detail += f"; boundary check at {BOUNDARY}"
     return plan

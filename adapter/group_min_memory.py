@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import upstream_sync
+from . import census, upstream_sync
 from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Plan, Refused, combine, sibling, target_modules
 from .flags import parse_switch
 from .sites import MEMORY, Site, labels
@@ -147,6 +147,85 @@ HOOKS = {module: Hook(module, HELPER, _group_minimum(probe), HELPER_PARAMS, (pro
          for module, probe in PROBES.items()}
 
 
+# ---------------------------------------------------------------- census
+
+# The engine probes free memory in many places besides DSpark/DFlash. The census
+# (adapter.census) reads every reference to the probe in the engine's sources; the rule:
+# - the hooked sites are known: in each consumer module the probe function's bare-name
+#   calls (what the wrapped binding serves) and the module-level import; the helper's
+#   definition in HELPER_HOME;
+# - any other reference is accepted only where reviewed, on the releases this adapter
+#   patches (0.5.16-0.5.18, whose sources are fixed): the (module, function) pairs below,
+#   none of them DSpark/DFlash code; the free memory they read gates target-model, LoRA,
+#   EAGLE/MTP or start-up choices that upstream's own fix (0.5.19 SpecTpSync) leaves per
+#   rank as well, so they are outside what this flag claims;
+# - the diffusion runtime `sglang.multimodal_gen` (and test code) are accepted as a
+#   package: its `get_available_gpu_memory` is a method of its own Platform classes,
+#   and it is never the srt engine; but not in a file that mentions speculative, dspark
+#   or dflash, which counts as speculative code;
+# - everything else refuses: a new module, a new function of a reviewed module, an
+#   attribute call such as `common.get_available_gpu_memory(...)` at a hooked site (it
+#   bypasses the wrapped binding), an alias or a string naming the probe.
+C = census
+SPECULATIVE_WORDS = ("speculative", "dspark", "dflash")
+MODEL_EXECUTOR = "sglang.srt.model_executor"
+REVIEWED_USERS = {
+    "sglang.srt.distributed.bootstrap": ("init_torch_distributed",),
+    "sglang.srt.hardware_backend.npu.utils": ("lazy_init_zbal_gva_mem",),
+    "sglang.srt.layers.deep_gemm_wrapper.compile_utils": ("_compile_deep_gemm_one_type_all",),
+    "sglang.srt.lora.lora_manager": ("LoRAManager.load_lora_adapter", "LoRAManager.unload_lora_adapter"),
+    "sglang.srt.managers.scheduler": ("Scheduler.init_model_worker",),
+    "sglang.srt.mem_cache.kv_cache_configurator": ("KVCacheConfigurator._profile_available_bytes",
+                                                   "KVCacheConfigurator.configure"),
+    f"{MODEL_EXECUTOR}.model_runner": ("ModelRunner.load_model",),
+    f"{MODEL_EXECUTOR}.model_runner_components.cuda_graph_setup": ("capture_cuda_graphs", "capture_decode_graph",
+                                                                   "capture_prefill_graph"),
+    f"{MODEL_EXECUTOR}.model_runner_components.kv_pool_runtime": ("compute_post_capture_kv_resize",),
+    f"{MODEL_EXECUTOR}.model_runner_components.weight_updater": ("WeightUpdater.update_weights_from_disk",),
+    f"{MODEL_EXECUTOR}.runner.decode_cuda_graph_runner": ("DecodeCudaGraphRunner._capture_one_stream",),
+    f"{MODEL_EXECUTOR}.runner.prefill_cuda_graph_runner": ("PrefillCudaGraphRunner._capture_one_stream",),
+    "sglang.srt.model_loader.loader": ("DefaultModelLoader.load_weights_and_postprocess",),
+    "sglang.srt.utils.triton_load_watch": ("_on_kernel_load",),
+    # EAGLE / MTP workers: other speculative algorithms, not DSpark/DFlash.
+    f"{SPEC}.eagle_worker_v2": ("EAGLEWorkerV2.build_adaptive_runtime_state", "EagleDraftWorker._capture_cuda_graphs"),
+    f"{SPEC}.frozen_kv_mtp_worker_v2": ("FrozenKVMTPDraftWorker._capture_cuda_graphs",),
+    f"{SPEC}.multi_layer_eagle_draft_extend_cuda_graph_runner": (
+        "MultiLayerEagleMultiStepDraftExtendCudaGraphRunner._init_and_capture",
+        "OneGraphMultiLayerEagleMultiStepDraftExtendCudaGraphRunner._init_and_capture"),
+    f"{SPEC}.multi_layer_eagle_worker_v2": ("MultiLayerEagleDraftWorker._capture_cuda_graphs",),
+}
+# Test kits that name the probe as a mock.patch target (a string) of a non-DSpark module.
+REVIEWED_STRINGS = {
+    "sglang.srt.platforms.cpu": ("CpuDeviceMixin.get_current_memory_usage",),
+    "sglang.test.kits.attention_unittest.runner_modes.speculative_draft_runner": (
+        "_capture_eagle_draft_graph_runner", "_capture_frozen_kv_mtp_graph_runner"),
+    "sglang.test.kits.attention_unittest.runner_modes.speculative_draft_extend_runner": (
+        "_capture_eagle_draft_extend_graph_runner",),
+}
+assert not any(w in m for m in (*REVIEWED_USERS, *REVIEWED_STRINGS) for w in ("dspark", "dflash"))
+ANY_KIND = (C.NAME, C.BIND, C.ATTRIBUTE, C.IMPORT, C.DEFINITION, C.PARAMETER, C.KEYWORD, C.STRING)
+
+
+def census_sites(consumers) -> list:
+    """The hooked sites of `consumers` (module names) and the reviewed users."""
+    found = [*C.sites(HELPER_HOME, "<module>", [HELPER], (C.DEFINITION,), "the engine helper")]
+    for module in consumers:
+        found += C.sites(module, PROBES[module].function, [HELPER], (C.NAME,), "the hooked probe")
+        found += C.sites(module, "<module>", [HELPER], (C.IMPORT,), "the hooked binding's import")
+    for module, functions in REVIEWED_USERS.items():
+        found += C.sites(module, ("<module>", *functions), [HELPER], (C.IMPORT, C.NAME), "reviewed, not DSpark/DFlash")
+    for module, functions in REVIEWED_STRINGS.items():
+        found += C.sites(module, functions, [HELPER], (C.STRING,), "reviewed mock.patch target")
+    found += [C.Site("sglang.multimodal_gen.", "*", frozenset({HELPER}), frozenset(ANY_KIND),
+                     "the diffusion runtime's own Platform method", unless=SPECULATIVE_WORDS)]
+    return found
+
+
+def _census(engine, consumers) -> None:
+    census.refuse_unknown(NAME, engine, {HELPER}, census_sites(consumers),
+                          "a free-memory probe that would not be reduced to the group minimum,")
+
+
 # ---------------------------------------------------------------- upstream (0.5.19+)
 
 
@@ -241,7 +320,10 @@ def check(engine, enabled: bool, context) -> Plan:
     """What making every probe a group minimum takes on `engine`; patches nothing."""
     modules = target_modules(NAME, engine, TARGETS)
     plans = [check_upstream(modules.pop(upstream_sync.MODULE), context)] if upstream_sync.MODULE in modules else []
-    consumers = [_module_plan(module) for module in modules.values()]
-    if not plans and any(p.state == "superseded" for p in consumers):
+    consumers = {name: _module_plan(module) for name, module in modules.items()}
+    if not plans and any(p.state == "superseded" for p in consumers.values()):
         raise Refused(NAME, upstream_sync.MODULE, "is missing, yet a consumer probes through it", engine.version)
-    return combine(NAME, engine.version, plans + consumers)
+    plan = combine(NAME, engine.version, plans + list(consumers.values()))
+    if plan.state == "applied":
+        _census(engine, [name for name, p in consumers.items() if p.state == "applied"])
+    return plan

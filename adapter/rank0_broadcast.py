@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import wrapt
 
-from . import upstream_sync
+from . import census, upstream_sync
 from .broadcast import DFLASH, DSPARK, bind_group, broadcast, resolve_group
 from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Plan, Refused, combine, target_modules
 from .sites import MEMORY, Site, labels, parse_selector
@@ -191,6 +191,77 @@ HOOKS = (
 SAMPLE_BLOCK_CALLERS = {DRAFT: ("sample_draft_block",), DRAFT_SAMPLER: ("DsparkDraftSampler.__call__",)}
 
 
+# ---------------------------------------------------------------- census
+
+# What the census (adapter.census) may find besides a hook's own binding: every reference
+# in the engine to a hooked decision function, or to a name that reaches one from below,
+# must be at one of these sites (0.5.16-0.5.18, the releases this adapter patches).
+C = census
+KERNELS_DSPARK = ("sglang.srt.speculative.dspark_components.kernels", "sglang.kernels.ops.speculative.dspark")
+DSPARK_ACCEPT = tuple(f"{k}.dspark_accept" for k in KERNELS_DSPARK)
+DSPARK_DRAFT_MODEL = tuple(f"{k}.dspark_draft_model" for k in KERNELS_DSPARK)
+DFLASH_KERNEL = "sglang.kernels.ops.speculative.dflash"
+DFLASH_UTILS = f"{SPEC}.dflash_utils"
+OBSERVABILITY = f"{PACKAGE}.dspark_observability"
+MARKOV_HEADS = (("sglang.srt.models.dspark", "VanillaMarkov"), ("sglang.srt.models.dspark", "RNNHead"),
+                ("sglang.srt.models.deepseek_v4_dspark", "DSparkV4MarkovHead"))
+GREEDY_ACCEPT = frozenset({Site.DSPARK_ACCEPT_GREEDY, Site.DSPARK_ACCEPT_SAMPLE})
+# Names that reach a hooked decision from below (site tags they serve): the markov head's
+# sampler entry point, and the greedy accept implementations under accept_draft_tokens.
+REACHING = {"sample_block": frozenset({Site.DSPARK_DRAFT}), "AcceptGreedy": GREEDY_ACCEPT,
+            "accept_greedy": GREEDY_ACCEPT}
+IMPORTED = (C.IMPORT,)
+DEFINED = (C.DEFINITION,)
+CENSUS_SITES = (
+    # Where the decision functions and the names above them are defined or imported.
+    *C.sites(DSPARK_DRAFT_MODEL, "<module>", ["SampleStepTokens"], DEFINED, "definition"),
+    *C.sites(DRAFT, "<module>", ["SampleStepTokens"], IMPORTED, "import"),
+    *C.sites(DSPARK_ACCEPT, "<module>", ["accept_greedy_triton", "AcceptGreedy", "accept_greedy"], DEFINED, "definition"),
+    *C.sites(DSPARK_ACCEPT, "<module>", ["compute_dflash_correct_drafts_and_bonus"], IMPORTED, "import"),
+    *C.sites(VERIFY, "<module>", ["accept_greedy_triton", "AcceptGreedy"], IMPORTED, "import"),
+    *C.sites(DFLASH_UTILS, "<module>", ["compute_dflash_correct_drafts_and_bonus",
+                                        "compute_dflash_sampling_correct_drafts_and_bonus"], DEFINED, "definition"),
+    *C.sites(DFLASH_KERNEL, "<module>", ["_compute_dflash_accept_bonus_triton_unchecked"], DEFINED, "definition"),
+    *[C.Site(module, cls, frozenset({"sample_block"}), frozenset(DEFINED), "a markov head's sample_block")
+      for module, cls in MARKOV_HEADS],
+    # Inside sample_draft_block, whose markov head's sampler= the hook wraps.
+    *C.sites(DRAFT, "sample_draft_block", ["SampleStepTokens", "sample_block"], (C.NAME, C.ATTRIBUTE),
+             "inside the hooked sample_draft_block"),
+    *C.sites(DRAFT_SAMPLER, "DsparkDraftSampler.__call__", ["sample_block"], (C.ATTRIBUTE,),
+             "sampler= wrapped by the SampleStepTokens/greedy_step_sampler hooks, checked to be passed"),
+    *C.sites(DRAFT, "DsparkDraftSampler.__call__", ["sample_block"], (C.ATTRIBUTE,),
+             "0.5.16's draft sampler, checked to pass sampler="),
+    # Greedy accept implementations, reached only from the hooked accept_draft_tokens /
+    # accept_greedy_triton bindings, whose results are broadcast.
+    *C.sites(VERIFY, "accept_draft_tokens", ["AcceptGreedy"], (C.NAME,), "inside the hooked accept_draft_tokens"),
+    *C.sites(DSPARK_ACCEPT, "AcceptGreedy.triton", ["accept_greedy_triton"], (C.NAME,), "below accept_draft_tokens"),
+    *C.sites(DSPARK_ACCEPT, "AcceptGreedy.torch", ["accept_greedy"], (C.NAME,), "below accept_draft_tokens"),
+    *C.sites(DSPARK_ACCEPT, ("accept_greedy", "accept_greedy_triton"), ["compute_dflash_correct_drafts_and_bonus"],
+             (C.NAME,), "below the hooked DSpark accept"),
+    # Metrics only: the result feeds logged per-position metrics and the STS recorder,
+    # never the committed tokens.
+    *C.sites(OBSERVABILITY, "<module>", ["compute_dflash_correct_drafts_and_bonus"], IMPORTED, "import"),
+    *C.sites(OBSERVABILITY, ("ConfidenceMetricsProbe.maybe_observe", "DsparkStepObservers._maybe_record_sts_collect"),
+             ["compute_dflash_correct_drafts_and_bonus"], (C.NAME,), "metrics only"),
+)
+
+
+def census_sites(hooks) -> list:
+    """The hooks' own bindings (bare-name uses in `used_in`, the module-level import or
+    definition) and the reviewed sites above."""
+    own = [site for hook in hooks for site in (
+        *C.sites(hook.module, hook.used_in, [hook.binding], (C.NAME,), "the hooked binding"),
+        *C.sites(hook.module, "<module>", [hook.binding], (C.IMPORT, C.DEFINITION), "the hooked binding's import"))]
+    return own + list(CENSUS_SITES)
+
+
+def _census(engine, sites: frozenset) -> None:
+    hooks = [h for h in HOOKS if h.used_in and h.tag & sites]
+    names = {h.binding for h in hooks} | {name for name, tags in REACHING.items() if tags & sites}
+    census.refuse_unknown(NAME, engine, names, census_sites(hooks),
+                          "a decision function whose result would not be broadcast,")
+
+
 def _sample_block_calls(contract: Contract, functions) -> None:
     contract.only_used_in("sample_block", functions, attribute=True)
     for found in contract.calls("sample_block", method=True):
@@ -260,5 +331,6 @@ def check(engine, sites: frozenset, context) -> Plan:
                                            "(drop dspark-draft from the flag, e.g. all,-dspark-draft)", engine.version)
     plans = [_module_plan(Contract(NAME, module), patchable) for name, module in modules.items()]
     plan = combine(NAME, engine.version, plans)
+    _census(engine, patchable)
     plan.detail = f"rank-0 broadcast at {labels(patchable)} via {plan.detail}{note}"
     return plan

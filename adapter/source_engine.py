@@ -18,6 +18,7 @@ TOTAL_LIMIT); anything else is an `EngineSourceError`, one line for the user.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import os
 import pathlib
@@ -88,13 +89,29 @@ def _signature(args: ast.arguments) -> inspect.Signature:
     return inspect.Signature(params)
 
 
+@functools.lru_cache(maxsize=16)
+def _lines(text: str) -> list:
+    """The text's lines as ast.get_source_segment splits them (no form feeds)."""
+    return re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", text)
+
+
+def _segment(text: str, node) -> str:
+    """ast.get_source_segment, without splitting the whole text for every node."""
+    lines, first, last = _lines(text), node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset:].decode()
+    tail = lines[last].encode()[:node.end_col_offset].decode()
+    return "".join([head, *lines[first + 1:last], tail])
+
+
 def _function(node, module_name: str, qualname: str, text: str):
     def source_only(*args, **kwargs):
         raise RuntimeError(f"{module_name}.{qualname} was read from source and cannot run")
 
     source_only.__name__, source_only.__qualname__, source_only.__module__ = node.name, qualname, module_name
     source_only.__signature__ = _signature(node.args)
-    source_only.__source_text__ = ast.get_source_segment(text, node)
+    source_only.__source_text__ = _segment(text, node)
     decorators = {ast.unparse(d) for d in node.decorator_list}
     if "staticmethod" in decorators:
         return staticmethod(source_only)
@@ -184,6 +201,12 @@ class SourceEngine:
             if candidate.is_file():
                 return candidate
         return None
+
+    def files(self) -> dict:
+        """Module name -> path of every .py file under root/sglang."""
+        from .census import python_files
+
+        return python_files(self.root)
 
     def module(self, name: str) -> Optional[types.ModuleType]:
         if name in self._modules:

@@ -37,16 +37,36 @@ def doctored_module(real_name: str, *replacements: tuple[str, str], tail: str = 
 
 
 class DoctoredEngine:
-    """The installed engine, with some of its modules replaced by doctored copies."""
+    """The installed engine, with some of its modules replaced by doctored copies, and
+    `added`: new source files (module name -> path) its census reads but nothing imports."""
 
-    def __init__(self, modules: dict):
+    def __init__(self, modules: dict, added: dict = None):
         from adapter.contract import InstalledEngine
 
-        self.installed, self.modules = InstalledEngine(), modules
+        self.installed, self.modules, self.added = InstalledEngine(), modules, dict(added or {})
         self.version = self.installed.version
 
     def module(self, name: str):
         return self.modules[name] if name in self.modules else self.installed.module(name)
+
+    def files(self) -> dict:
+        """The installed files, doctored copies in place of the real ones; a module mapped
+        to None is gone (renamed: its new name is in `added`)."""
+        files = dict(self.installed.files())
+        for name, module in self.modules.items():
+            if module is None:
+                files.pop(name, None)
+            else:
+                files[name] = module.__file__
+        files.update(self.added)
+        return files
+
+
+def new_module_file(name: str, text: str, directory=None) -> str:
+    """A new engine module's source file (for DoctoredEngine's `added`)."""
+    path = pathlib.Path(directory or tempfile.mkdtemp()) / (name.replace(".", "_") + ".py")
+    path.write_text(text, encoding="utf-8")
+    return str(path)
 
 
 @dataclass(frozen=True)

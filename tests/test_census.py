@@ -1,0 +1,102 @@
+"""The conservative census (issue 12, part 1): ordinary refactors of the real engine
+modules, each refused with its file and line named, on the imported engine (through
+tests/doctored.py) and through `entrypoint.py doctor --engine` on a doctored source tree."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import time
+
+import pytest
+
+from adapter import census, folded_fence, group_min_memory, load, rank0_broadcast, runtime
+from adapter.contract import InstalledEngine
+from adapter.source_engine import SourceEngine
+from tests import census_cases
+from tests.census_cases import CASES
+from tests.engines import ROOT, engine_env, python
+
+SOURCES = ROOT / ".engines" / "src"
+ALL_CASES = [(release, case) for release in CASES for case in CASES[release]]
+
+
+def assert_refused_at(outcome: dict, refactor, release: str, where: str) -> None:
+    assert outcome["state"] == runtime.REFUSED, outcome
+    reason = outcome["reason"]
+    assert reason.startswith(f"{refactor.adapter} refused on sglang {release}: {refactor.module}:"), reason
+    assert f"{where} refers to " in reason, (where, reason)
+
+
+@pytest.fixture(scope="module")
+def imported():
+    """0.5.23 in this interpreter; 0.5.18 in a child interpreter that imports it."""
+    done = subprocess.run([python(), "-m", "tests.census_cases", "0.5.18"], cwd=ROOT, env=engine_env("0.5.18"),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT:"))
+    return {"0.5.23": census_cases.imported("0.5.23"), "0.5.18": json.loads(line[len("RESULT:"):])}
+
+
+@pytest.mark.parametrize("release,case", ALL_CASES)
+def test_refused_when_imported(imported, release, case):
+    outcome = imported[release][case]
+    assert outcome["engine"] == release
+    assert_refused_at(outcome, CASES[release][case], release, outcome["where"])
+
+
+@pytest.mark.parametrize("release,case", ALL_CASES)
+def test_refused_by_doctor_engine(tmp_path, release, case):
+    refactor = CASES[release][case]
+    where = census_cases.source_tree(SOURCES / release, refactor, tmp_path / "engine")
+    done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(tmp_path / "engine")],
+                          cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    row = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == refactor.adapter)
+    assert_refused_at({"state": row["engine_check"], "reason": row["engine_check_reason"]}, refactor, release, where)
+
+
+@pytest.mark.parametrize("release", ["0.5.18", "0.5.23"])
+def test_unmodified_release_has_every_reference_at_a_known_site(release):
+    """The census finds the real sites (so it is not vacuous) and refuses none of them."""
+    engine = SourceEngine(SOURCES / release, version=release)
+    assert runtime.engine_check(folded_fence, engine)[0] == runtime.APPLIED
+    refs = census.references(engine, folded_fence.READERS)
+    assert {(r.module, r.function) for r in refs} >= {
+        (folded_fence.VERIFY, "TargetVerifyExecutor.accept_and_finalize"), (folded_fence.VERIFY, "DsparkVerifyEpilogue")}
+    if release == "0.5.18":
+        for adapter in (rank0_broadcast, group_min_memory):
+            assert runtime.engine_check(adapter, engine)[0] == runtime.APPLIED
+        probes = census.references(engine, {group_min_memory.HELPER})
+        assert len({r.module for r in probes}) > 20  # the probe is used far beyond DSpark/DFlash
+
+
+def test_buffers_read_from_the_readers():
+    verify = SourceEngine(SOURCES / "0.5.23", version="0.5.23").module(folded_fence.VERIFY)
+    from adapter.contract import Contract
+
+    assert folded_fence.epilogue_buffers(Contract(folded_fence.NAME, verify)) == {
+        f"{f}_buf" for f in folded_fence.FIELDS} | {"block_accept_lens_buf"}
+
+
+def test_a_docstring_or_comment_is_no_reference(tmp_path):
+    tree = tmp_path / "engine"
+    (tree / "sglang").mkdir(parents=True)
+    (tree / "sglang" / "quiet.py").write_text('"""read_accept, in prose."""\n# read_accept(bs)\nx = 1\n')
+    (tree / "sglang" / "loud.py").write_text('import operator\nget = operator.attrgetter("epilogue.read_accept")\n')
+    refs = census.references(SourceEngine(tree, version="x"), {"read_accept"})
+    assert [(r.module, r.line, r.kind) for r in refs] == [("sglang.loud", 2, census.STRING)]
+
+
+def test_census_scan_is_cached_per_process():
+    engine = InstalledEngine()
+    names = set(folded_fence.READERS)
+    census._HOLDING.clear()
+    census._references.cache_clear()
+    start = time.perf_counter()
+    first = census.references(engine, names)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    assert census.references(engine, names) == first
+    assert time.perf_counter() - start < cold / 10
