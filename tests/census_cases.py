@@ -135,10 +135,18 @@ def imported(release: str) -> dict:
     return results
 
 
+def _link_or_copy(source, destination):
+    try:
+        os.link(source, destination)
+    except OSError:  # another file system
+        shutil.copy2(source, destination)
+
+
 def source_tree(release_root: pathlib.Path, refactor: Refactor, into: pathlib.Path) -> str:
-    """A copy of a release's sources (files linked, not copied) with the refactor written
+    """A copy of a release's sources (hard links where the file system allows: doctor
+    --engine reads regular files only, never symbolic links) with the refactor written
     in; returns "path:line" of the marked line."""
-    shutil.copytree(release_root, into, symlinks=True, copy_function=os.symlink)
+    shutil.copytree(release_root, into, copy_function=_link_or_copy)
 
     def path_of(module: str) -> pathlib.Path:
         return into.joinpath(*module.split(".")).with_suffix(".py")
@@ -151,8 +159,8 @@ def source_tree(release_root: pathlib.Path, refactor: Refactor, into: pathlib.Pa
     else:
         text = changed_source(refactor, path_of(refactor.module).read_text(encoding="utf-8"))
     target = path_of(refactor.module)
-    if target.is_symlink():
-        target.unlink()
+    if target.exists():
+        target.unlink()  # a hard link: never write through it into the release's own file
     target.write_text(text, encoding="utf-8")
     return f"{target}:{marked_line(text, refactor.marker)}"
 

@@ -14,11 +14,13 @@ import pytest
 from adapter import census, folded_fence, group_min_memory, load, rank0_broadcast, runtime
 from adapter.contract import InstalledEngine
 from adapter.source_engine import SourceEngine
+from entrypoint import EXIT_REFUSED
 from tests import census_cases
 from tests.census_cases import CASES
 from tests.engines import ROOT, engine_env, python
 
 SOURCES = ROOT / ".engines" / "src"
+
 ALL_CASES = [(release, case) for release in CASES for case in CASES[release]]
 
 
@@ -52,9 +54,10 @@ def test_refused_by_doctor_engine(tmp_path, release, case):
     where = census_cases.source_tree(SOURCES / release, refactor, tmp_path / "engine")
     done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(tmp_path / "engine")],
                           cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     row = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == refactor.adapter)
-    assert_refused_at({"state": row["engine_check"], "reason": row["engine_check_reason"]}, refactor, release, where)
+    assert_refused_at({"state": row["engine_check"]["outcome"], "reason": row["engine_check"]["reason"]},
+                      refactor, release, where)
 
 
 @pytest.mark.parametrize("release", ["0.5.18", "0.5.23"])
