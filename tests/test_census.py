@@ -5,13 +5,12 @@ tests/doctored.py) and through `entrypoint.py doctor --engine` on a doctored sou
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import time
 
 import pytest
 
-from adapter import census, folded_fence, group_min_memory, load, rank0_broadcast, runtime
+from adapter import census, folded_fence, group_min_memory, rank0_broadcast, runtime
 from adapter.contract import InstalledEngine
 from adapter.source_engine import SourceEngine
 from tests import census_cases
