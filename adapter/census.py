@@ -190,6 +190,8 @@ def _file_references(module: str, path: str, data: bytes, names) -> list:
         node, function = stack.pop()
         first = getattr(node, "lineno", None)
         if first is not None:
+            # A definition's line is its `def`; its decorators come before it.
+            first = min([first, *(d.lineno for d in getattr(node, "decorator_list", ()))])
             at = bisect.bisect_left(lines, first)
             if at == len(lines) or lines[at] > (node.end_lineno or first):
                 continue  # no line of this node holds a name

@@ -5,13 +5,12 @@ tests/doctored.py) and through `entrypoint.py doctor --engine` on a doctored sou
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import time
 
 import pytest
 
-from adapter import census, folded_fence, group_min_memory, load, rank0_broadcast, runtime
+from adapter import census, folded_fence, group_min_memory, rank0_broadcast, runtime
 from adapter.contract import InstalledEngine
 from adapter.source_engine import SourceEngine
 from entrypoint import EXIT_REFUSED
@@ -88,8 +87,10 @@ def test_a_docstring_or_comment_is_no_reference(tmp_path):
     (tree / "sglang").mkdir(parents=True)
     (tree / "sglang" / "quiet.py").write_text('"""read_accept, in prose."""\n# read_accept(bs)\nx = 1\n')
     (tree / "sglang" / "loud.py").write_text('import operator\nget = operator.attrgetter("epilogue.read_accept")\n')
+    (tree / "sglang" / "decorated.py").write_text('@hooks.on(read_accept)\ndef after(x):\n    return x\n')
     refs = census.references(SourceEngine(tree, version="x"), {"read_accept"})
-    assert [(r.module, r.line, r.kind) for r in refs] == [("sglang.loud", 2, census.STRING)]
+    assert [(r.module, r.line, r.kind) for r in refs] == [("sglang.decorated", 1, census.NAME),
+                                                          ("sglang.loud", 2, census.STRING)]
 
 
 def test_census_scan_is_cached_per_process():
