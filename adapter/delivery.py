@@ -69,18 +69,18 @@ def _presented(environ: Mapping[str, str]):
     saved = dict(os.environ)
     changed = {k for k in set(saved) | set(environ) if saved.get(k) != environ.get(k)}
     try:
-        for key in changed:
-            if key in environ:
-                os.environ[key] = environ[key]
-            else:
-                os.environ.pop(key, None)
+        _copy_into_environ(changed, environ)
         yield
     finally:
-        for key in changed:
-            if key in saved:
-                os.environ[key] = saved[key]
-            else:
-                os.environ.pop(key, None)
+        _copy_into_environ(changed, saved)
+
+
+def _copy_into_environ(keys, values: Mapping[str, str]) -> None:
+    for key in keys:
+        if key in values:
+            os.environ[key] = values[key]
+        else:
+            os.environ.pop(key, None)
 
 
 def chosen_plugins(environ: Mapping[str, str], plugins=None) -> list[str]:

@@ -73,6 +73,22 @@ def replay(graph, skew, steps=REPLAYS):
     torch.cuda.synchronize()
 
 
+def capture_and_replay(region, skew) -> None:
+    """As sglang does: one eager warm-up (it makes the counters), then the region captured
+    into a graph on a side stream, the counters zeroed, and the graph replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        region()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    divergence.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        region()
+    replay(graph, skew)
+
+
 def test_spec_tp_sync_site_counts_every_replay(report_on, capsys):
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
 
@@ -89,17 +105,7 @@ def test_spec_tp_sync_site_counts_every_replay(report_on, capsys):
         draft.copy_(source)
         steady.sync(S.DSPARK_DRAFT, draft)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        region()  # the eager warm-up sglang runs before capture: it makes the counters
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    divergence.reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        region()
-    replay(graph, skew)
+    capture_and_replay(region, skew)
 
     totals = divergence.totals()
     k = len(SKEWED)
@@ -158,17 +164,7 @@ def test_pack_broadcast_counts_every_replay():
         compared(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *triple)
 
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            region()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        divergence.reset()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            region()
-        replay(graph, skew)
+        capture_and_replay(region, skew)
         k = len(SKEWED)
         assert divergence.totals() == {"10:dspark-accept-graph": [REPLAYS, k, k * 3 * BS]}
     finally:
