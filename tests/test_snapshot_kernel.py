@@ -200,3 +200,40 @@ def test_the_first_cuda_result_says_which_copy_serves(monkeypatch, capsys):
         assert copy.first is not outs.first and copy.first.value == 1
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"[sglang-adapters] pid={os.getpid()} folded_fence copy: clones - no CUDA"]
+
+
+# --- told before any CUDA work: doctor and each rank's APPLIED line -------------------------
+
+def test_the_expected_copy_is_told_from_nvml_without_cuda(monkeypatch, tmp_path):
+    """What doctor and the APPLIED line say: the GPUs' capability from NVML (here stood in),
+    the kernel file loaded but not run, every GPU served or it says clones and why."""
+    monkeypatch.setenv(accept_snapshot.PATH_ENV, str(tmp_path / "none.so"))
+    monkeypatch.setattr(accept_snapshot, "nvml_capabilities", lambda: [])
+    assert accept_snapshot.expected_mode() == ("clones", "no CUDA")
+    monkeypatch.setattr(accept_snapshot, "nvml_capabilities", lambda: [(9, 0), (9, 0)])
+    assert accept_snapshot.expected_mode() == ("clones", f"kernel not built ({tmp_path / 'none.so'} missing)")
+
+
+def test_the_expected_copy_for_a_kernel_of_another_arch(sm80, monkeypatch):
+    monkeypatch.setenv(accept_snapshot.PATH_ENV, str(sm80))
+    monkeypatch.setattr(accept_snapshot, "nvml_capabilities", lambda: [(8, 0)])
+    assert accept_snapshot.expected_mode() == ("one-launch", str(sm80))
+    monkeypatch.setattr(accept_snapshot, "nvml_capabilities", lambda: [(8, 0), (9, 0)])
+    assert accept_snapshot.expected_mode() == ("clones", "on some GPUs: arch sm_90 not in the build (8.0)")
+
+
+def test_the_applied_line_and_doctor_say_which_copy(monkeypatch):
+    import entrypoint
+    from adapter import folded_fence, runtime
+    from adapter.contract import InstalledEngine
+
+    monkeypatch.setattr(accept_snapshot, "nvml_capabilities", lambda: [])  # this machine: no GPU
+    environ = {folded_fence.FLAG: "1"}
+    decision = runtime.decide(environ, names=(folded_fence.NAME,))
+    [line] = decision.lines()
+    assert "APPLIED - copy: clones (no CUDA); fenced TargetVerifyExecutor." in line  # the copy first: never cut
+    assert len(line) < 200
+    assert '"machine":"copy: clones (no CUDA)"' in decision.lines("json")[0]
+    row = next(r for r in entrypoint.report(environ, InstalledEngine())["adapters"] if r["adapter"] == folded_fence.NAME)
+    assert row["machine"] == "copy: clones (no CUDA)"
+    assert runtime.decide({}, names=(folded_fence.NAME,)).lines()[0].endswith("OFF - DSV41_FOLDED_FENCE is off (sglang 0.5.23)")
