@@ -75,14 +75,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+FLAG_WIDTH = 28  # the longest flag name and two spaces
+
+
 def flags_help() -> str:
     lines = []
     for name in ADAPTERS:
         adapter = load(name)
-        lines.append(_item(adapter.FLAG, f"{name}: {adapter.SUMMARY}", 21))
+        lines.append(_item(adapter.FLAG, f"{name}: {adapter.SUMMARY}", FLAG_WIDTH))
+        lines += [_item(flag, text, FLAG_WIDTH) for flag, text in getattr(adapter, "EXTRA_HELP", {}).items()]
     lines += [
-        _item(runtime.MASTER, "off: the whole pack is off in the launcher and every rank (the rollback)", 21),
-        _item(runtime.LOG_FORMAT, "json: the per-process lines as JSON objects; text (default)", 21),
+        _item(runtime.MASTER, "off: the whole pack is off in the launcher and every rank (the rollback)", FLAG_WIDTH),
+        _item(runtime.LOG_FORMAT, "json: the per-process lines as JSON objects; text (default)", FLAG_WIDTH),
         "  Switches take 1/on/true and 0/off/false/none, DSV41_SPEC_TP_SYNC upstream's site selector",
         "  (all, init, rng, site slugs or numbers, -site); unset is off. Any other value, a DSV41_* name",
         "  that is no flag, or a name within two edits of one is a start-up error.",

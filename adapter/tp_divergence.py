@@ -31,6 +31,7 @@ NAME = "tp_divergence"
 FLAG = "DSV41_TP_DIVERGENCE"
 EVERY_FLAG = "DSV41_TP_DIVERGENCE_EVERY"
 EXTRA_FLAGS = (EVERY_FLAG,)
+EXTRA_HELP = {EVERY_FLAG: "tp_divergence: site calls between two reports (a positive whole number; default 1000)"}
 SUMMARY = "count, per rank-0 broadcast site and rank, the calls where this rank's own value differed from rank 0's"
 CHECK_VALUE = "1"  # the setting doctor's engine check and the compatibility matrix use
 # Judged with the pack's broadcast at its broadest setting: without it there is nothing to
