@@ -30,6 +30,7 @@ N = 24
 SKEWED = [2, 5, 11, 17, 23]  # k = 5 of n = 24 replays
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs at least 2 CUDA GPUs for NCCL (found {GPUS})")
+NCCL_TIMEOUT = 75  # seconds per spawn on the GPUs (bench/gpu/tp_nccl.sh bounds the whole run)
 
 
 def check_sync(ranks):
@@ -72,7 +73,8 @@ def report_group(ranks):
 
 @pytest.fixture(scope="module")
 def nccl_sync():
-    return spawn_ranks(GPUS, "tests.tp_nccl_cases:sync_case", nccl=True, kwargs={"n": N, "skewed": SKEWED})
+    return spawn_ranks(GPUS, "tests.tp_nccl_cases:sync_case", nccl=True, kwargs={"n": N, "skewed": SKEWED},
+                       timeout=NCCL_TIMEOUT)
 
 
 @needs_gpus
@@ -89,7 +91,8 @@ def test_nccl_uses_the_engines_group_coordinator(nccl_sync):
 
 @needs_gpus
 def test_nccl_pack_broadcast_in_graphs():
-    ranks = spawn_ranks(GPUS, "tests.tp_nccl_cases:pack_case", nccl=True, kwargs={"n": N, "skewed": SKEWED})
+    ranks = spawn_ranks(GPUS, "tests.tp_nccl_cases:pack_case", nccl=True, kwargs={"n": N, "skewed": SKEWED},
+                       timeout=NCCL_TIMEOUT)
     report_group(ranks)
     check_pack(ranks)
 
