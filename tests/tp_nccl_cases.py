@@ -120,8 +120,8 @@ def make_group(rank: int, world: int, nccl: bool):
             if name.startswith("use_"):
                 wanted[name] = nccl and name == "use_pynccl"
         group = GroupCoordinator(**wanted)
-        if nccl and group.pynccl_comm is None:
-            raise RuntimeError("GroupCoordinator built without its pynccl communicator")
+        if nccl and not getattr(group.pynccl_comm, "available", False):  # graph_capture would call a missing libnccl
+            raise RuntimeError("GroupCoordinator built without a working pynccl communicator (libnccl.so.2 not loaded?)")
         return group, "sglang GroupCoordinator" + (" (pynccl in graphs, torch NCCL eager)" if nccl else " (gloo)")
     except Exception as exc:  # noqa: BLE001 - reported in the result, the fallback still measures
         if not nccl:
