@@ -30,7 +30,7 @@ N = 24
 SKEWED = [2, 5, 11, 17, 23]  # k = 5 of n = 24 replays
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs at least 2 CUDA GPUs for NCCL (found {GPUS})")
-NCCL_TIMEOUT = 75  # seconds per spawn on the GPUs (bench/gpu/tp_nccl.sh bounds the whole run)
+NCCL_TIMEOUT = 70  # seconds per spawn on the GPUs (bench/gpu/tp_nccl.sh bounds the whole run)
 
 
 def check_sync(ranks):

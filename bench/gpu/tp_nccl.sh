@@ -15,9 +15,9 @@ export PYTHONPATH=$PWD:$ENGINE_PATH
   python3 -c "import torch,sys;print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.device_count(), 'GPUs', torch.cuda.get_device_name(), 'nccl', torch.cuda.nccl.version())"
   env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)='
 } 2>&1 | tee $OUT/tp_nccl_env.txt
-timeout -k 10 170 python3 -m pytest tests/test_tp_nccl.py -k "not gloo" -q -rA -p no:cacheprovider 2>&1 \
+timeout -k 10 150 python3 -m pytest tests/test_tp_nccl.py -k "not gloo" -q -rA -p no:cacheprovider 2>&1 \
   | tee $OUT/test_tp_nccl.log | tail -40
 echo "pytest rc=${PIPESTATUS[0]}"
-timeout -k 10 160 python3 bench/tp_nccl_cost.py --timeout 140 ${BENCH_ARGS:-} --json $OUT/tp_nccl_cost.json 2>&1 \
+timeout -k 10 140 python3 bench/tp_nccl_cost.py --timeout 125 ${BENCH_ARGS:-} --json $OUT/tp_nccl_cost.json 2>&1 \
   | tee $OUT/tp_nccl_cost.txt | grep -v -i warn | tail -90
 echo "bench rc=${PIPESTATUS[0]}"
