@@ -1,0 +1,23 @@
+# Issue 16 on a lent machine with 2 or more GPUs (NCCL), from the folder bench/gpu/bundle.sh
+# filled (this tree + .gpu/ .whl/ .dist/):
+#   bash bench/gpu/bundle.sh            (in /work/main, after merging)
+#   run(command="bash bench/gpu/tp_nccl.sh", carry=[".gpu", ".whl", ".dist"], kind="nvidia-h200-x2")
+# tests/test_tp_nccl.py (its NCCL tests; world = every visible GPU) and bench/tp_nccl_cost.py,
+# the pack from this tree and sglang 0.5.23 from its sources (setup.sh); logs and JSON under $OUT.
+# NVLink multicast stays off in every process (here, and again in each spawned rank).
+# Every step has a time limit, so the whole script ends within about 6 minutes.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source .gpu/setup.sh
+export PYTHONPATH=$PWD:$ENGINE_PATH
+{ nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,memory.used --format=csv
+  nvidia-smi topo -m
+  python3 -c "import torch,sys;print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.device_count(), 'GPUs', torch.cuda.get_device_name(), 'nccl', torch.cuda.nccl.version())"
+  env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)='
+} 2>&1 | tee $OUT/tp_nccl_env.txt
+timeout -k 10 150 python3 -m pytest tests/test_tp_nccl.py -k "not gloo" -q -rA -p no:cacheprovider 2>&1 \
+  | tee $OUT/test_tp_nccl.log | tail -40
+echo "pytest rc=${PIPESTATUS[0]}"
+timeout -k 10 140 python3 bench/tp_nccl_cost.py --timeout 125 ${BENCH_ARGS:-} --json $OUT/tp_nccl_cost.json 2>&1 \
+  | tee $OUT/tp_nccl_cost.txt | grep -v -i warn | tail -90
+echo "bench rc=${PIPESTATUS[0]}"

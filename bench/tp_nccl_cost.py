@@ -1,0 +1,240 @@
+"""Cost of the broadcast sites over a real TP group (issue 16), every variant in one run.
+
+    python bench/tp_nccl_cost.py [--json OUT] [--world N] [--reps 5] [--calls 200] [--replays 20] [--cpu]
+
+One process per rank (tests/tp_nccl_cases.spawn_ranks; world = every visible GPU), the TP
+group sglang 0.5.23's own GroupCoordinator (pynccl inside graphs, as its TP group), or the
+torch.distributed NCCL fallback where that cannot be built (the kind is printed). Each case
+is one unit, measured three ways (median of --reps, the cases interleaved in each rep):
+  eager host   host time per unit to issue it (microseconds)
+  eager wall   time per unit with the device drained at the end (what a rank waits)
+  captured     GPU time per unit in a CUDA graph of --per-graph units (cuda events)
+Cases, bs 1 / 8 / 64:
+  site/*       one site call: the bare group.broadcast; the engine's SpecTpSync.sync with
+               the site on / off (off: no collective) and the divergence report on / off;
+               the pack's broadcast() (0.5.16 - 0.5.18) with and without the report wrapper
+  step/*       one decode step, gamma 3 and 7: gamma draft broadcasts + the accept triple;
+               bare = the collectives the pack issues (gamma + one [3, bs] buffer),
+               bare_three = those the engine issues (gamma + 3)
+  triple/*     the accept triple: the pack's packing (torch.stack of three int64 vectors,
+               one broadcast, three copies back), three broadcasts, one broadcast of a
+               preallocated [3, bs] int64 buffer whose rows are the fields (no copy), and
+               that buffer through the pack's broadcast()
+"+%" compares a case with the bare collectives it issues (its `ref`). --cpu (or no CUDA):
+gloo CPU processes, eager only (a check that the code runs; the figures are gloo's).
+NVLink multicast is off in every process (tests/tp_nccl_cases.NO_MULTICAST).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from tests.tp_nccl_cases import NO_MULTICAST, capture, device_of, make_group, report, spawn_ranks  # noqa: E402
+
+SIZES, GAMMAS = (1, 8, 64), (3, 7)
+
+
+@dataclass
+class Case:
+    name: str
+    op: Callable[[], None]
+    collectives: int  # collectives one unit issues
+    report: bool = False  # the engine's report switched on (class-wide patch of SpecTpSync.sync)
+    ref: Optional[str] = None  # the bare case issuing the same collectives
+
+
+def build_cases(group, device):
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    import wrapt
+
+    from adapter import broadcast as b
+    from adapter import tp_divergence as t
+    from adapter.sites import Site
+
+    os.environ.pop("SGLANG_SPEC_TP_SYNC", None)
+    sync_on = SpecTpSync(group)  # every site broadcast (the engine's default)
+    os.environ["SGLANG_SPEC_TP_SYNC"] = "off"
+    sync_off = SpecTpSync(group)
+    del os.environ["SGLANG_SPEC_TP_SYNC"]
+    b.bind_group(b.DSPARK, group)
+    pack, pack_report = b.broadcast, wrapt.FunctionWrapper(b.broadcast, functools.partial(t._compare_broadcast, 1000))
+    bare = functools.partial(group.broadcast, src=0)
+
+    def repeat(*calls):
+        def op():
+            for fn, args in calls:
+                fn(*args)
+        return op
+
+    cases = []
+    for bs in SIZES:
+        v = torch.arange(bs, device=device)
+        p = f"site/bs{bs}"
+        cases += [Case(f"{p}/bare", repeat((bare, (v,))), 1),
+                  Case(f"{p}/engine_on/report_off", repeat((sync_on.sync, (S.DSPARK_DRAFT, v))), 1, False, f"{p}/bare"),
+                  Case(f"{p}/engine_on/report_on", repeat((sync_on.sync, (S.DSPARK_DRAFT, v))), 1, True, f"{p}/bare"),
+                  Case(f"{p}/engine_off/report_off", repeat((sync_off.sync, (S.DSPARK_DRAFT, v))), 0, False),
+                  Case(f"{p}/engine_off/report_on", repeat((sync_off.sync, (S.DSPARK_DRAFT, v))), 0, True),
+                  Case(f"{p}/pack_on/report_off", repeat((pack, (b.DSPARK, Site.DSPARK_DRAFT, v))), 1, False, f"{p}/bare"),
+                  Case(f"{p}/pack_on/report_on", repeat((pack_report, (b.DSPARK, Site.DSPARK_DRAFT, v))), 1, False,
+                       f"{p}/bare")]
+    for gamma in GAMMAS:
+        for bs in SIZES:
+            draft = torch.arange(bs, device=device)
+            buf = torch.zeros(3, bs, dtype=torch.int64, device=device)
+            fields = [torch.arange(bs, device=device) + i for i in range(3)]
+            p = f"step/g{gamma}/bs{bs}"
+            drafts = lambda fn, *head: [(fn, (*head, draft))] * gamma  # noqa: E731
+            cases += [Case(f"{p}/bare", repeat(*drafts(bare), (bare, (buf,))), gamma + 1),
+                      Case(f"{p}/bare_three", repeat(*drafts(bare), *[(bare, (f,)) for f in fields]), gamma + 3)]
+            for state, sync, n in (("on", sync_on, gamma + 3), ("off", sync_off, 0)):
+                op = repeat(*drafts(sync.sync, S.DSPARK_DRAFT), *[(sync.sync, (S.DSPARK_ACCEPT_GRAPH, f)) for f in fields])
+                cases += [Case(f"{p}/engine_{state}/report_{r}", op, n, r == "on", f"{p}/bare_three" if n else None)
+                          for r in ("off", "on")]
+            for r, fn in (("off", pack), ("on", pack_report)):
+                op = repeat(*drafts(fn, b.DSPARK, Site.DSPARK_DRAFT), (fn, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields)))
+                cases.append(Case(f"{p}/pack_on/report_{r}", op, gamma + 1, False, f"{p}/bare"))
+    for bs in SIZES:
+        buf = torch.zeros(3, bs, dtype=torch.int64, device=device)
+        fields = [torch.arange(bs, device=device) + i for i in range(3)]
+        p = f"triple/bs{bs}"
+        cases += [Case(f"{p}/one_buffer", repeat((bare, (buf,))), 1),
+                  Case(f"{p}/packed_stack", repeat((pack, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields))), 1, False,
+                       f"{p}/one_buffer"),
+                  Case(f"{p}/three_broadcasts", repeat(*[(bare, (f,)) for f in fields]), 3, False, f"{p}/one_buffer"),
+                  Case(f"{p}/one_buffer_pack", repeat((pack, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, buf))), 1, False,
+                       f"{p}/one_buffer")]
+    return cases
+
+
+def cost_rank(rank, world, nccl, reps, calls, replays, per_graph):
+    import torch.distributed as dist
+
+    from adapter import divergence
+    from adapter import tp_divergence as t
+
+    group, kind = make_group(rank, world, nccl)
+    device = device_of(group, nccl)
+    cases = build_cases(group, device)
+
+    def sync():
+        if nccl:
+            torch.cuda.synchronize()
+
+    graphs = {}
+    if nccl:  # captured with the report as each case needs it; a unit without a collective is not captured
+        for on in (False, True):
+            report(on, t.DEFAULT_EVERY)
+            for case in cases:
+                if case.report == on and case.collectives:
+                    graphs[case.name] = capture(group, lambda c=case: [c.op() for _ in range(per_graph)], nccl)
+
+    for on in (False, True):  # one eager pass first: lazy communicator set-up stays out of the figures
+        report(on, t.DEFAULT_EVERY)
+        for case in cases:
+            case.op()
+        sync()
+        dist.barrier()
+    times = {c.name: {"eager_host": [], "eager_wall": [], "captured": []} for c in cases}
+    for _ in range(reps):
+        for on in (False, True):
+            report(on, t.DEFAULT_EVERY)
+            for case in (c for c in cases if c.report == on):
+                sync()
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    case.op()
+                issued = time.perf_counter()
+                sync()
+                drained = time.perf_counter()
+                times[case.name]["eager_host"].append((issued - start) / calls * 1e6)
+                times[case.name]["eager_wall"].append((drained - start) / calls * 1e6)
+                graph = graphs.get(case.name)
+                if graph is None:
+                    continue
+                dist.barrier()
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                times[case.name]["captured"].append(begin.elapsed_time(end) * 1e3 / (replays * per_graph))
+    report(False)
+    diverged = {k: v for k, v in divergence.totals().items() if v[1]}  # no skew: must stay empty
+    results = {c.name: {"collectives": c.collectives, "ref": c.ref, "report": c.report,
+                        **{k: statistics.median(v) if v else None for k, v in times[c.name].items()}} for c in cases}
+    return {"group": kind, "results": results, "diverged": diverged}
+
+
+def _pct(value, ref):
+    return "" if value is None or not ref else f"{(value / ref - 1) * 100:+.0f}%"
+
+
+def table(ranks) -> str:
+    rows = ranks[0]["results"]
+    head = (f"{'case (rank 0)':<40}{'coll':>5}{'eager host':>12}{'':>6}{'eager wall':>12}{'':>6}"
+            f"{'captured':>12}{'':>6}{'capt/coll':>10}")
+    lines = [f"TP group: {ranks[0]['group']}; {len(ranks)} ranks; us per unit (median); +% over the bare collectives "
+             f"the case issues (ref)", head]
+    for name, row in rows.items():
+        ref = rows.get(row["ref"]) if row["ref"] else None
+        cells = []
+        for key in ("eager_host", "eager_wall", "captured"):
+            value = row[key]
+            cells.append(f"{value:>12.2f}" if value is not None else f"{'-':>12}")
+            cells.append(f"{_pct(value, ref[key] if ref else None):>6}")
+        per_coll = (f"{row['captured'] / row['collectives']:>10.2f}" if row["captured"] is not None and row["collectives"]
+                    else f"{'-':>10}")
+        lines.append(f"{name:<40}{row['collectives']:>5}" + "".join(cells) + per_coll)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--world", type=int, help="ranks (default: every visible GPU; 2 with --cpu)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=200, help="eager units per repetition")
+    parser.add_argument("--replays", type=int, default=20, help="graph replays per repetition")
+    parser.add_argument("--per-graph", type=int, default=10, help="units in one captured graph")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds before the ranks are killed")
+    parser.add_argument("--cpu", action="store_true", help="gloo CPU processes, eager only")
+    opts = parser.parse_args(argv)
+    os.environ.update(NO_MULTICAST)
+    nccl = not opts.cpu and torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    world = opts.world or (torch.cuda.device_count() if nccl else 2)
+    ranks = spawn_ranks(world, "bench.tp_nccl_cost:cost_rank", nccl=nccl, timeout=opts.timeout,
+                        kwargs={"reps": opts.reps, "calls": opts.calls, "replays": opts.replays,
+                                "per_graph": opts.per_graph})
+    print(table(ranks))
+    found = {"mode": f"{'nccl' if nccl else 'gloo-cpu'}-{world}", "group": ranks[0]["group"], "ranks": ranks,
+             "device": torch.cuda.get_device_name() if nccl else platform.processor(),
+             "python": platform.python_version(), "torch": torch.__version__, "argv": sys.argv[1:],
+             "env": {k: os.environ.get(k) for k in NO_MULTICAST}}
+    if opts.json:
+        pathlib.Path(opts.json).write_text(json.dumps(found, indent=2))
+    diverged = [r["diverged"] for r in ranks]
+    assert not any(diverged), f"divergence counted without a skew: {diverged}"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

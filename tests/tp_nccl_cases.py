@@ -1,0 +1,316 @@
+"""Rank code for tests/test_tp_nccl.py and bench/tp_nccl_cost.py (issue 16): broadcast
+sites over a real multi-process group, captured in CUDA graphs when the ranks have GPUs.
+
+`spawn_ranks` starts one process per rank with torch.multiprocessing (world = all visible
+GPUs on the GPU machine), joins them in a gloo default group and runs a target there; the
+device group is NCCL on GPUs, gloo on the CPU. `make_group` builds the TP group the sites
+broadcast over: sglang 0.5.23's own GroupCoordinator (pynccl on GPUs, as its TP group),
+or, where that cannot be built, plain torch.distributed NCCL wrapped as SpecTpSync and the
+pack's broadcast expect; the kind used is in every result.
+
+On the CPU the same cases run with every "replay" an eager call of the region (nothing
+to capture): the counting and value logic is checked there, the capture on the GPU.
+Every process gets NVLink multicast switched off (NO_MULTICAST): it can put the shared
+GPUs out of service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import json
+import os
+import pathlib
+import socket
+import tempfile
+import time
+import types
+
+import torch
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+BS = 64
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world, port, nccl, target, kwargs, outdir):
+    os.environ.update(NO_MULTICAST)
+    import importlib
+
+    import torch.distributed as dist
+
+    if nccl:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    module, name = target.split(":")
+    result = getattr(importlib.import_module(module), name)(rank, world, nccl=nccl, **kwargs)
+    pathlib.Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn_ranks(world: int, target: str, *, nccl: bool, kwargs: dict | None = None, timeout: float = 180) -> list:
+    """Each rank's result of target(rank, world, nccl=..., **kwargs), one process per rank."""
+    import torch.multiprocessing as mp
+
+    os.environ.update(NO_MULTICAST)  # inherited by the children too, before they import anything
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_child, args=(world, _free_port(), nccl, target, kwargs or {}, outdir),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise AssertionError(f"{target} did not finish within {timeout}s on {world} ranks "
+                                         f"(a hang in a collective?)")
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+        return [json.loads(pathlib.Path(outdir, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+# ---------------------------------------------------------------- the TP group
+
+
+class TorchNcclGroup:
+    """Fallback TP group: a torch.distributed NCCL group with what SpecTpSync and the pack's
+    broadcast use (.broadcast(t, src=0), .world_size, .rank_in_group) and a graph_capture
+    context like GroupCoordinator's (a side stream)."""
+
+    def __init__(self, world: int):
+        import torch.distributed as dist
+
+        self.ranks = list(range(world))
+        self.device_group = dist.new_group(self.ranks, backend="nccl")
+        self.world_size, self.rank_in_group = world, dist.get_rank()
+
+    def broadcast(self, tensor, src=0):
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src=self.ranks[src], group=self.device_group)
+        return tensor
+
+    @contextlib.contextmanager
+    def graph_capture(self):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            yield types.SimpleNamespace(stream=stream)
+
+
+def make_group(rank: int, world: int, nccl: bool):
+    """(group, kind): sglang's GroupCoordinator as its TP group is built (pynccl on, custom
+    all-reduce and every other side channel off), else the torch.distributed fallback."""
+    try:
+        from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+        wanted = dict(group_ranks=[list(range(world))], local_rank=rank,
+                      torch_distributed_backend="nccl" if nccl else "gloo", group_name="tp")
+        for name in inspect.signature(GroupCoordinator.__init__).parameters:
+            if name.startswith("use_"):
+                wanted[name] = nccl and name == "use_pynccl"
+        group = GroupCoordinator(**wanted)
+        if nccl and not getattr(group.pynccl_comm, "available", False):  # graph_capture would call a missing libnccl
+            raise RuntimeError("GroupCoordinator built without a working pynccl communicator (libnccl.so.2 not loaded?)")
+        return group, "sglang GroupCoordinator" + (" (pynccl in graphs, torch NCCL eager)" if nccl else " (gloo)")
+    except Exception as exc:  # noqa: BLE001 - reported in the result, the fallback still measures
+        if not nccl:
+            raise
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return TorchNcclGroup(world), f"torch.distributed NCCL fallback (sglang GroupCoordinator failed: {why})"
+
+
+def capture(group, region, nccl: bool):
+    """A CUDA graph of `region`, captured as sglang's graph runners do: inside the group's
+    graph_capture context, after an eager warm-up on the capture stream (which also makes
+    the divergence counters). On the CPU: None (replays become eager calls)."""
+    if not nccl:
+        return None
+    with group.graph_capture() as context:
+        region()
+        context.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=context.stream):
+            region()
+    torch.cuda.synchronize()
+    return graph
+
+
+def run(graph, region):
+    if graph is None:
+        region()
+    else:
+        graph.replay()
+
+
+@contextlib.contextmanager
+def no_host_sync(nccl: bool):
+    """Any host synchronisation raises (CUDA only)."""
+    if not nccl:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def device_of(group, nccl: bool):
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def report(on: bool, every: int = 8) -> None:
+    """The divergence report switched on or off through the runtime, as every rank does (the
+    installed engine judged without the plugin-delivery check: the pack sits on PYTHONPATH)."""
+    from adapter import runtime
+    from adapter import tp_divergence as t
+    from tests.doctored import DoctoredEngine
+
+    environ = {t.FLAG: "1", t.EVERY_FLAG: str(every)} if on else {}
+    decision = runtime.decide(environ, DoctoredEngine({}), names=(t.NAME,))
+    runtime.apply(decision)
+    want = runtime.APPLIED if on else runtime.OFF
+    if decision.outcomes[0].state != want:
+        raise RuntimeError(f"tp_divergence is {decision.outcomes[0].state}, not {want}: {decision.outcomes[0].reason}")
+
+
+def _replays(n, skewed, rank, skew, graph, region, nccl):
+    """n replays, rank 1's skew set on the device before each (1 in the skewed ones)."""
+    from adapter import divergence
+
+    ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
+    calls = divergence._calls
+    with no_host_sync(nccl):
+        for i in range(n):
+            skew.copy_(ones if rank == 1 and i in skewed else zeros)
+            run(graph, region)
+    if nccl:
+        torch.cuda.synchronize()
+        assert divergence._calls == calls, "a replay ran Python: the graph did not count alone"
+
+
+def _rows_off(history, expected) -> list[int]:
+    """The replays after which this rank held something other than rank 0's values."""
+    return [i for i, row in enumerate(history.cpu()) if not torch.equal(row, expected)]
+
+
+# ---------------------------------------------------------------- 1. the engine's SpecTpSync
+
+
+def sync_case(rank, world, nccl, n, skewed):
+    """sglang 0.5.23's SpecTpSync, report on: rank 1's accept value skewed in `skewed` of n
+    replays of a captured region holding two sites (accept graph 10, draft 17)."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    from adapter import divergence
+
+    skewed = frozenset(skewed)
+    os.environ.pop("SGLANG_SPEC_TP_SYNC", None)  # the engine's default: all
+    group, kind = make_group(rank, world, nccl)
+    device = device_of(group, nccl)
+    report(True)
+    tp_sync = SpecTpSync(group)
+    source = torch.arange(BS, device=device)
+    skew = torch.zeros((), dtype=torch.int64, device=device)
+    accept, draft = torch.empty_like(source), torch.empty_like(source)
+    history = torch.zeros(n, 2, BS, dtype=torch.int64, device=device)
+    step = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def region():  # as DsparkVerifyEpilogue._accept and the folded draft sync inside their graphs
+        accept.copy_(source + skew)
+        tp_sync.sync(S.DSPARK_ACCEPT_GRAPH, accept)
+        draft.copy_(source)
+        tp_sync.sync(S.DSPARK_DRAFT, draft)
+        history.index_copy_(0, step, torch.stack((accept, draft)).unsqueeze(0))
+        step.add_(1)
+
+    try:
+        if not nccl:
+            region()  # what the warm-up before capture does on the GPU: makes the counters
+        graph = capture(group, region, nccl)
+        divergence.reset()
+        step.zero_()
+        printed = io.StringIO()
+        with contextlib.redirect_stderr(printed):  # eager calls report every 8, replays only at the flush
+            _replays(n, skewed, rank, skew, graph, region, nccl)
+            totals = divergence.totals()
+            divergence.flush()
+        lines = [line for line in printed.getvalue().splitlines() if "tp_divergence rank=" in line]
+        off = _rows_off(history, torch.stack((source, source)).cpu())
+    finally:
+        report(False)
+        divergence.reset()
+    return {"group": kind, "captured": graph is not None, "totals": totals, "lines": lines, "rows_off": off,
+            "replays": int(step.item())}
+
+
+# ---------------------------------------------------------------- 2. the pack's broadcast
+
+
+def pack_case(rank, world, nccl, n, skewed):
+    """The pack's broadcast (0.5.16 - 0.5.18) in a captured region: the accept triple packed
+    into one collective (site 10) and a draft broadcast (17), rank 1's first field and
+    draft skewed in `skewed` of n replays; off (no broadcast), on, and on with the
+    divergence wrapper as tp_divergence's plan installs it there."""
+    import functools
+
+    import wrapt
+
+    from adapter import broadcast as b
+    from adapter import divergence
+    from adapter import tp_divergence as t
+    from adapter.sites import Site
+
+    skewed = frozenset(skewed)
+    group, kind = make_group(rank, world, nccl)
+    b.bind_group(b.DSPARK, group)
+    device = device_of(group, nccl)
+    source = torch.arange(BS, device=device)
+    expected = torch.stack((source, source + 1, source + 2, source)).cpu()
+    variants = {"off": None, "on": b.broadcast,
+                "on_report": wrapt.FunctionWrapper(b.broadcast, functools.partial(t._compare_broadcast, 1000))}
+    out = {"group": kind}
+    try:
+        for name, broadcast in variants.items():
+            skew = torch.zeros((), dtype=torch.int64, device=device)
+            triple = [torch.empty(BS, dtype=torch.int64, device=device), torch.empty(BS, dtype=torch.int64, device=device),
+                      torch.empty(BS, dtype=torch.int32, device=device)]
+            draft = torch.empty_like(source)
+            history = torch.zeros(n, 4, BS, dtype=torch.int64, device=device)
+            step = torch.zeros(1, dtype=torch.int64, device=device)
+
+            def region():  # as rank0_broadcast's wrappers on the accept and the folded draft inside graphs
+                triple[0].copy_(source + skew)
+                triple[1].copy_(source + 1)
+                triple[2].copy_(source + 2)
+                draft.copy_(source + skew)
+                if broadcast is not None:
+                    broadcast(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *triple)
+                    broadcast(b.DSPARK, Site.DSPARK_DRAFT, draft)
+                row = torch.stack((triple[0], triple[1], triple[2].to(torch.int64), draft))
+                history.index_copy_(0, step, row.unsqueeze(0))
+                step.add_(1)
+
+            if not nccl:
+                region()
+            graph = capture(group, region, nccl)
+            divergence.reset()
+            step.zero_()
+            _replays(n, skewed, rank, skew, graph, region, nccl)
+            out[name] = {"rows_off": _rows_off(history, expected), "replays": int(step.item()),
+                         "totals": divergence.totals() if name == "on_report" else {}}
+    finally:
+        b._groups.clear()
+        divergence.reset()
+    return out
