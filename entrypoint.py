@@ -180,15 +180,14 @@ def doctor(opts) -> int:
                 engine = open_engine(opts.engine, workdir)
                 engine.version  # noqa: B018  a tree without a readable version is bad input too
             except (ValueError, OSError) as exc:
-                print(f"{runtime.PREFIX} doctor --engine {opts.engine}: {exc} (exit {EXIT_USAGE}: give an sglang "
-                      "wheel or a folder holding sglang/)", file=sys.stderr, flush=True)
+                print(f"{runtime.PREFIX} doctor --engine {opts.engine}: {exc} (exit {EXIT_USAGE})", file=sys.stderr, flush=True)
                 return EXIT_USAGE
         else:
             engine = InstalledEngine()
         found = report(os.environ, engine)
     status = VERDICT_STATUS[verdict(found)]
     if opts.json:
-        print(json.dumps(as_json(found, opts.engine, status), indent=2))
+        emit(json.dumps(as_json(found, opts.engine, status), indent=2))
     else:
         if not found["ranks_checked"]:
             ranks = (f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at "
@@ -197,9 +196,18 @@ def doctor(opts) -> int:
             ranks = "; ".join(found["delivery_problems"]) + " (every adapter is off: nothing is lost, the launch goes on)"
         else:
             ranks = None
-        print(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"]))
-        print(f"verdict: {verdict(found)} (doctor --strict exits {status})")
+        emit(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"])
+             + f"\nverdict: {verdict(found)} (doctor --strict exits {status})")
     return status if opts.strict else EXIT_OK
+
+
+def emit(text: str) -> None:
+    """The report on stdout; a reader that leaves early (`doctor | head`) is no error of the
+    pack: the rest goes nowhere and the exit status stays the verdict's."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def report(environ, engine) -> dict:
