@@ -85,7 +85,17 @@ def test_doctor_engine_with_a_bad_path_is_one_line_and_64(path):
     done = cli("doctor", "--engine", path, timeout=60)
     assert done.returncode == 64, done.stderr[-2000:]
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith(f"[sglang-adapters] doctor --engine {path}: ") and "(exit 64:" in line
+    assert line.startswith(f"[sglang-adapters] doctor --engine {path}: ") and line.endswith("(exit 64)")
+
+
+def test_a_reader_that_leaves_early_is_no_error():
+    """`doctor | head`: the reader closes the pipe before the report is written (`true` reads
+    nothing); no traceback, and the verdict's status."""
+    path = f"{pathlib.Path(python()).parent}{os.pathsep}{os.environ['PATH']}"
+    done = subprocess.run(f"'{python()}' entrypoint.py doctor --strict | true; exit ${{PIPESTATUS[0]}}", shell=True,
+                          executable="/bin/bash", cwd=ROOT, env=engine_env("0.5.23", PATH=path),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 # --- the wrapper, with real commands ----------------------------------------------------------
