@@ -13,6 +13,7 @@ Exit statuses: EXIT_STATUSES below, one table for launch, the wrapper and doctor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -242,9 +243,12 @@ def verdict(found: dict) -> str:
 
 
 def _setting(value):
-    """A parsed setting as JSON: a switch as a boolean, a site selection as its labels."""
+    """A parsed setting as JSON: a switch as a boolean, a site selection as its labels, a
+    setting with fields (tp_divergence's) as an object."""
     if value is None or isinstance(value, bool):
         return value
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
     return sorted((getattr(item, "label", str(item)) for item in value), key=lambda label: int(label.split(":")[0]))
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from adapter import ADAPTERS, load, runtime
 from adapter.source_engine import SourceEngine
+from entrypoint import EXIT_REFUSED
 from tests.engines import ROOT, engine_env, python
 
 SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
@@ -47,12 +48,12 @@ def drifted_tree(tmp_path: pathlib.Path) -> pathlib.Path:
 def test_doctor_refuses_a_drifted_engine_it_has_not_imported(tmp_path):
     done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(drifted_tree(tmp_path))],
                           cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     report = json.loads(done.stdout)
     fence = next(a for a in report["adapters"] if a["adapter"] == "folded_fence")
-    assert fence["engine_check"] == "refused"
-    assert fence["engine_check_reason"].startswith(
+    assert fence["engine_check"]["outcome"] == "refused"
+    assert fence["engine_check"]["reason"].startswith(
         "folded_fence refused on sglang 0.5.23: sglang.srt.speculative.dspark_components.dspark_verify:AcceptOuts: fields are")
-    assert "'draft_ids'" in fence["engine_check_reason"]
+    assert "'draft_ids'" in fence["engine_check"]["reason"]
     # Read from sources only: no adapter line was printed, nothing was imported or applied.
     assert "[sglang-adapters]" not in done.stderr

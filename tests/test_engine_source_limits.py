@@ -13,6 +13,7 @@ import pytest
 
 from adapter import source_engine
 from adapter.source_engine import EngineSourceError, SourceEngine, open_engine, unpack_wheel
+from entrypoint import EXIT_USAGE
 from tests.engines import ROOT, engine_env, python
 
 WHEELS = ROOT / ".engines" / "wheels"
@@ -25,11 +26,11 @@ def doctor_engine(path) -> subprocess.CompletedProcess:
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, *parts: str) -> None:
-    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.returncode == EXIT_USAGE, (done.stdout, done.stderr)
     assert done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    assert lines[0].startswith("[sglang-adapters] doctor --engine: ")
+    assert lines[0].startswith(f"[sglang-adapters] doctor --engine {done.args[-1]}: ")
     for part in parts:
         assert part in lines[0]
 

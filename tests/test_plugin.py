@@ -78,7 +78,7 @@ def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_pa
     assert found["patched"] == ["folded_fence:_block_accept_lens", "folded_fence:accept_and_finalize",
                                 "folded_fence:forward_batch_generation", "folded_fence:run", "pack-guard:__init__"]
     err = capfd.readouterr().err
-    assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED - fenced TargetVerifyExecutor.accept_and_finalize" in err
+    assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED - copy: clones (no CUDA); fenced TargetVerifyExecutor." in err
 
 
 def test_spawned_rank_is_untouched_when_the_flag_is_unset(monkeypatch, tmp_path, capfd):

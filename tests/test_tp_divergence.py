@@ -266,6 +266,7 @@ def test_doctor_reports_the_sites(clean_env):
     import json
 
     row = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == t.NAME)
-    assert (row["state"], row["engine_check"]) == ("applied", "applied")
+    assert (row["outcome"], row["engine_check"]["outcome"]) == ("applied", "applied")
+    assert row["setting"] == {"every": 1000}
     assert "off: 17:dspark-draft" in row["reason"] and "handed over from DSV41_SPEC_TP_SYNC" in row["reason"]
     assert os.environ.get("SGLANG_SPEC_TP_SYNC") is None
