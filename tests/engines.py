@@ -25,3 +25,12 @@ def engine_env(release: str, **extra: str) -> dict[str, str]:
 
 def python() -> str:
     return sys.executable
+
+
+def release_sources(release: str) -> pathlib.Path:
+    """A release's sources, read not imported (`doctor --engine`, the compatibility matrix),
+    under .engines/src/<release>: fetched from the registry the first time (tools/compat_matrix.py)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compat_matrix
+
+    return compat_matrix.source_tree(release)

@@ -16,9 +16,8 @@ from adapter.source_engine import SourceEngine
 from entrypoint import EXIT_REFUSED
 from tests import census_cases
 from tests.census_cases import CASES
-from tests.engines import ROOT, engine_env, python
+from tests.engines import ROOT, engine_env, python, release_sources
 
-SOURCES = ROOT / ".engines" / "src"
 
 ALL_CASES = [(release, case) for release in CASES for case in CASES[release]]
 
@@ -50,7 +49,7 @@ def test_refused_when_imported(imported, release, case):
 @pytest.mark.parametrize("release,case", ALL_CASES)
 def test_refused_by_doctor_engine(tmp_path, release, case):
     refactor = CASES[release][case]
-    where = census_cases.source_tree(SOURCES / release, refactor, tmp_path / "engine")
+    where = census_cases.source_tree(release_sources(release), refactor, tmp_path / "engine")
     done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(tmp_path / "engine")],
                           cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=600)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
@@ -62,7 +61,7 @@ def test_refused_by_doctor_engine(tmp_path, release, case):
 @pytest.mark.parametrize("release", ["0.5.18", "0.5.23"])
 def test_unmodified_release_has_every_reference_at_a_known_site(release):
     """The census finds the real sites (so it is not vacuous) and refuses none of them."""
-    engine = SourceEngine(SOURCES / release, version=release)
+    engine = SourceEngine(release_sources(release), version=release)
     assert runtime.engine_check(folded_fence, engine)[0] == runtime.APPLIED
     refs = census.references(engine, folded_fence.READERS)
     assert {(r.module, r.function) for r in refs} >= {
@@ -75,7 +74,7 @@ def test_unmodified_release_has_every_reference_at_a_known_site(release):
 
 
 def test_buffers_read_from_the_readers():
-    verify = SourceEngine(SOURCES / "0.5.23", version="0.5.23").module(folded_fence.VERIFY)
+    verify = SourceEngine(release_sources("0.5.23"), version="0.5.23").module(folded_fence.VERIFY)
     from adapter.contract import Contract
 
     assert folded_fence.epilogue_buffers(Contract(folded_fence.NAME, verify)) == {

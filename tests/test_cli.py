@@ -17,10 +17,9 @@ import entrypoint
 from adapter import ADAPTERS, load, runtime
 from adapter.source_engine import SourceEngine
 from tests.agreement_cases import combos
-from tests.engines import ROOT, engine_env, python
+from tests.engines import ROOT, engine_env, python, release_sources
 
 SCHEMA = json.loads((ROOT / "docs" / "doctor-report.schema.json").read_text())
-SOURCES = ROOT / ".engines" / "src"
 
 
 def cli(*args: str, release: str = "0.5.23", timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
@@ -233,9 +232,11 @@ def test_the_schema_check_can_fail():
     ((), {"DSV41_FOLDED_FENCE": "1", "DSV41_SPEC_TP_SYNC": "all,-dspark-draft"}, "ok"),
     ((), {"DSV41_FOLDED_FENCE": "", "DSV41_ADAPTERS_LOG": "json"}, "flag-error"),
     ((), {"DSV41_ADAPTERS": "off", "DSV41_FOLDED_FENCE": "1"}, "ok"),
-    (("--engine", str(SOURCES / "0.5.16")), {"DSV41_SPEC_TP_SYNC": "all"}, "refused"),
+    (("--engine", "0.5.16"), {"DSV41_SPEC_TP_SYNC": "all"}, "refused"),
 ])
 def test_doctor_json_matches_its_schema(args, env, verdict):
+    if args:
+        args = ("--engine", str(release_sources(args[1])))
     done = cli("doctor", "--json", "--strict", *args, **env)
     report = json.loads(done.stdout)
     assert schema_errors(report, SCHEMA) == []
@@ -282,7 +283,7 @@ LINE_CASES = [c | fence for c in combos() for fence in ({}, {"DSV41_FOLDED_FENCE
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("release", ["installed", "0.5.16", "0.5.18"])
 def test_every_line_is_one_line_under_200_characters(release):
-    engine = None if release == "installed" else SourceEngine(SOURCES / release)
+    engine = None if release == "installed" else SourceEngine(release_sources(release))
     states = set()
     for environ in LINE_CASES:
         decision = runtime.decide(environ, engine)

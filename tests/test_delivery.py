@@ -15,7 +15,7 @@ from adapter import delivery, folded_fence, runtime
 from adapter.contract import InstalledEngine
 from adapter.source_engine import SourceEngine
 from tests.doctored import DoctoredEngine, doctored_module
-from tests.engines import ENGINE_PATHS, ROOT
+from tests.engines import ENGINE_PATHS, ROOT, release_sources
 
 OURS = "dsv41_adapters"
 FENCE_ON = {folded_fence.FLAG: "1"}
@@ -99,7 +99,7 @@ def test_what_discovery_says_is_what_a_real_rank_does(value):
 
 def test_every_release_calls_the_loader_before_building_the_scheduler():
     assert delivery.loader_problems(InstalledEngine()) == []
-    for tree in (SITE_PACKAGES, ENGINE_PATHS["0.5.18"][0], ROOT / ".engines" / "src" / "0.5.16"):
+    for tree in (SITE_PACKAGES, ENGINE_PATHS["0.5.18"][0], release_sources("0.5.16")):
         if (tree / "sglang").is_dir():
             assert delivery.loader_problems(SourceEngine(tree)) == [], tree
 

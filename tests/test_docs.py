@@ -17,7 +17,7 @@ import pytest
 import entrypoint
 from adapter import runtime
 from adapter.source_engine import SourceEngine
-from tests.engines import ROOT
+from tests.engines import ROOT, release_sources
 
 sys.path.insert(0, str(ROOT / "tools"))
 import release_table  # noqa: E402
@@ -38,7 +38,7 @@ def test_release_tables_are_generated_from_the_matrix():
 
 
 def test_the_0_5_16_claim_holds_on_its_sources():
-    engine = SourceEngine(ROOT / ".engines" / "src" / "0.5.16")
+    engine = SourceEngine(release_sources("0.5.16"))
     outcome = lambda value: runtime.decide({"DSV41_SPEC_TP_SYNC": value}, engine, names=("rank0_broadcast",)).outcomes[0].state
     assert (outcome("all"), outcome("all,-dspark-draft")) == (runtime.REFUSED, runtime.APPLIED)
     recipe = (RECIPE / "README.md").read_text()
