@@ -30,7 +30,16 @@ def python() -> str:
 def release_sources(release: str) -> pathlib.Path:
     """A release's sources, read not imported (`doctor --engine`, the compatibility matrix),
     under .engines/src/<release>: fetched from the registry the first time (tools/compat_matrix.py)."""
+    return _compat_matrix().source_tree(release)
+
+
+def release_wheel(release: str) -> pathlib.Path:
+    """A release's wheel under .engines/wheels, fetched from the registry the first time."""
+    return _compat_matrix().release_wheel(release)
+
+
+def _compat_matrix():
     sys.path.insert(0, str(ROOT / "tools"))
     import compat_matrix
 
-    return compat_matrix.source_tree(release)
+    return compat_matrix

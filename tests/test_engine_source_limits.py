@@ -14,9 +14,7 @@ import pytest
 from adapter import source_engine
 from adapter.source_engine import EngineSourceError, SourceEngine, open_engine, unpack_wheel
 from entrypoint import EXIT_USAGE
-from tests.engines import ROOT, engine_env, python
-
-WHEELS = ROOT / ".engines" / "wheels"
+from tests.engines import ROOT, engine_env, python, release_wheel
 
 
 def doctor_engine(path) -> subprocess.CompletedProcess:
@@ -134,10 +132,8 @@ def test_a_folder_without_sglang_is_one_line(tmp_path):
     assert_one_line_error(done, "holds no sglang/ source tree")
 
 
-@pytest.mark.skipif(not (WHEELS / "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl").is_file(),
-                    reason="the 0.5.23 wheel is not in .engines/wheels (scripts/setup.sh fetches it)")
 def test_the_real_0_5_23_wheel_unpacks_within_the_limits(tmp_path):
-    real = WHEELS / "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
+    real = release_wheel("0.5.23")
     with zipfile.ZipFile(real) as archive:
         sources = [i for i in archive.infolist() if i.filename.startswith("sglang/") and i.filename.endswith(".py")]
     engine = open_engine(real, tmp_path)

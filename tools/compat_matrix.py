@@ -49,10 +49,8 @@ def registry_releases() -> list[str]:
     return sorted((v for v in final if tuple(int(x) for x in v.split(".")[:3]) >= FIRST), key=release_key)
 
 
-def source_tree(version: str) -> pathlib.Path:
-    tree = CACHE / "src" / version
-    if (tree / "sglang").is_dir():
-        return tree
+def release_wheel(version: str) -> pathlib.Path:
+    """The release's wheel in .engines/wheels, downloaded from the registry the first time."""
     wheels = CACHE / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     found = list(wheels.glob(f"sglang-{version}-*.whl"))
@@ -60,7 +58,14 @@ def source_tree(version: str) -> pathlib.Path:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                         "-d", str(wheels), f"sglang=={version}"], check=True)
         found = list(wheels.glob(f"sglang-{version}-*.whl"))
-    return unpack_wheel(found[0], tree)
+    return found[0]
+
+
+def source_tree(version: str) -> pathlib.Path:
+    tree = CACHE / "src" / version
+    if (tree / "sglang").is_dir():
+        return tree
+    return unpack_wheel(release_wheel(version), tree)
 
 
 def outcomes(version: str) -> dict[str, tuple[str, str]]:
