@@ -51,14 +51,6 @@ def version_of(module) -> str:
     return engine.version if engine is not None else engine_version()
 
 
-def package_dir(module, package: str) -> pathlib.Path:
-    """Folder of `package` in the engine that `module` comes from."""
-    engine = getattr(module, "__engine__", None)
-    if engine is not None:
-        return pathlib.Path(engine.root, *package.split("."))
-    return pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
-
-
 def installed(name: str) -> bool:
     """Whether the installed engine has module `name` (its parent packages get imported)."""
     try:

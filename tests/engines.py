@@ -39,7 +39,9 @@ def release_wheel(release: str) -> pathlib.Path:
 
 
 def _compat_matrix():
-    sys.path.insert(0, str(ROOT / "tools"))
+    tools = str(ROOT / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
     import compat_matrix
 
     return compat_matrix
