@@ -12,10 +12,9 @@ import collections
 DSPARK, DFLASH = "dspark", "dflash"
 
 _groups: dict = {}
-# Collectives issued per site slug since the last reset (counted in Python: a site
-# inside a captured graph counts once per capture, then replays without Python).
+# Collectives issued per site (Site) since the last reset, counted in Python: a site
+# inside a captured graph counts once per capture, then replays without Python.
 COUNTS: collections.Counter = collections.Counter()
-_INTS = None
 
 
 def resolve_group():
@@ -40,15 +39,6 @@ def group_of(family: str):
     return group
 
 
-def _int_dtypes():
-    global _INTS
-    if _INTS is None:
-        import torch
-
-        _INTS = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
-    return _INTS
-
-
 def _broadcast_one(group, tensor) -> None:
     if tensor.is_contiguous():
         group.broadcast(tensor, src=0)
@@ -58,26 +48,53 @@ def _broadcast_one(group, tensor) -> None:
         tensor.copy_(tmp)
 
 
-def broadcast(family: str, site, *tensors) -> None:
-    """Overwrite each tensor in place with rank 0's value: one collective when the
-    tensors are integer vectors of one shape and device (packed as int64 [n, bs]),
-    else one per tensor."""
-    group = group_of(family)
-    if group.world_size == 1:
-        return
+def _packable(tensors) -> bool:
+    device = tensors[0].device
+    return all(t.is_contiguous() and t.device == device for t in tensors)
+
+
+def _pack_and_broadcast(group, tensors) -> tuple:
+    """One collective for several tensors: their bytes side by side in one buffer (one
+    concatenation), broadcast, and each result a view of that buffer with the tensor's
+    own dtype and shape, so nothing is copied back (the decision functions whose results
+    are packed return fresh tensors their callers bind locally). The buffer's dtype is
+    the narrowest field's, so fields of that dtype need no view; wider fields go first,
+    which keeps every offset a multiple of the field's element size."""
     import torch
 
-    first = tensors[0]
-    packable = len(tensors) > 1 and all(
-        t.dtype in _int_dtypes() and t.dim() == 1 and t.shape == first.shape and t.device == first.device
-        for t in tensors)
-    if packable:
-        packed = torch.stack([t.to(torch.int64) for t in tensors])
-        group.broadcast(packed, src=0)
-        for t, row in zip(tensors, packed):
-            t.copy_(row)
-        COUNTS[site.slug] += 1
-        return
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    fields = [tensors[i] for i in order]
+    unit = fields[-1].dtype if fields[-1].dtype != torch.bool else torch.uint8  # NCCL has no bool
+    width = fields[-1].element_size()
+    packed = torch.cat([_flat(t).view(unit) if t.dtype != unit else _flat(t) for t in fields])
+    group.broadcast(packed, src=0)
+    out = [None] * len(tensors)
+    chunks = packed.split_with_sizes([t.numel() * t.element_size() // width for t in fields])
+    for i, t, chunk in zip(order, fields, chunks):
+        row = chunk if t.dtype == unit else chunk.view(t.dtype)
+        if t.dim() != 1:
+            row = row.view(t.shape)
+        # A view may alias engine state that is read elsewhere: it takes rank 0's values in place.
+        out[i] = row if t._base is None else t.copy_(row)
+    return tuple(out)
+
+
+def _flat(tensor):
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
+
+
+def broadcast(family: str, site, *tensors) -> tuple:
+    """Rank 0's values of `tensors`, in their order. Several contiguous tensors on one
+    device go in one collective, and the results are new tensors (views of the received
+    buffer) that the caller hands on instead of its own; otherwise each tensor is
+    overwritten in place and returned."""
+    group = group_of(family)
+    if group.world_size == 1:
+        return tensors
+    if len(tensors) > 1 and _packable(tensors):
+        COUNTS[site] += 1
+        return _pack_and_broadcast(group, tensors)
     for t in tensors:
         _broadcast_one(group, t)
-        COUNTS[site.slug] += 1
+        COUNTS[site] += 1
+    return tensors

@@ -99,15 +99,11 @@ def _eager_accept(sites, wrapped, instance, args, kwargs):
     triple = wrapped(*args, **kwargs)
     info = kwargs.get("sampling_info")
     site = Site.DSPARK_ACCEPT_GREEDY if info is None or info.is_all_greedy else Site.DSPARK_ACCEPT_SAMPLE
-    if site in sites:
-        broadcast(DSPARK, site, *triple)
-    return triple
+    return broadcast(DSPARK, site, *triple) if site in sites else triple
 
 
 def _graph_accept(wrapped, instance, args, kwargs):
-    triple = wrapped(*args, **kwargs)
-    broadcast(DSPARK, Site.DSPARK_ACCEPT_GRAPH, *triple)
-    return triple
+    return broadcast(DSPARK, Site.DSPARK_ACCEPT_GRAPH, *wrapped(*args, **kwargs))
 
 
 def _dspark_prefill(wrapped, instance, args, kwargs):
@@ -124,9 +120,7 @@ def _dspark_prefill(wrapped, instance, args, kwargs):
 
 
 def _dflash_accept_sample(wrapped, instance, args, kwargs):
-    accept_len, bonus = wrapped(*args, **kwargs)
-    broadcast(DFLASH, Site.DFLASH_ACCEPT_SAMPLE, accept_len, bonus)
-    return accept_len, bonus
+    return broadcast(DFLASH, Site.DFLASH_ACCEPT_SAMPLE, *wrapped(*args, **kwargs))
 
 
 _SYNCED_MARK = "_dsv41_rank0_synced"

@@ -80,8 +80,8 @@ def _compare_broadcast(every, wrapped, instance, args, kwargs):
     if group_of(family).world_size == 1:  # nothing is broadcast
         return wrapped(*args, **kwargs)
     mine = [t.clone() for t in tensors]
-    result = wrapped(*args, **kwargs)
-    divergence.observe(int(site), site.slug, mine, tensors, every)
+    result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or packed views
+    divergence.observe(int(site), site.slug, mine, result, every)
     return result
 
 

@@ -13,13 +13,15 @@ Cases, bs 1 / 8 / 64:
   site/*       one site call: the bare group.broadcast; the engine's SpecTpSync.sync with
                the site on / off (off: no collective) and the divergence report on / off;
                the pack's broadcast() (0.5.16 - 0.5.18) with and without the report wrapper
-  step/*       one decode step, gamma 3 and 7: gamma draft broadcasts + the accept triple;
-               bare = the collectives the pack issues (gamma + one [3, bs] buffer),
-               bare_three = those the engine issues (gamma + 3)
-  triple/*     the accept triple: the pack's packing (torch.stack of three int64 vectors,
-               one broadcast, three copies back), three broadcasts, one broadcast of a
-               preallocated [3, bs] int64 buffer whose rows are the fields (no copy), and
-               that buffer through the pack's broadcast()
+  step/*       one decode step, gamma 3 and 7: gamma draft broadcasts + the accept triple
+               (int32 accept length, int64 bonus, int32 trim, as the engine's);
+               bare = the collectives the pack issues (gamma + one buffer of the triple's
+               bytes), bare_three = those the engine issues (gamma + 3)
+  triple/*     the accept triple: one broadcast of a preallocated buffer of its bytes
+               (one_buffer, the ref), three broadcasts, the pack's broadcast() (one
+               concatenation of the three fields' bytes, one broadcast, the results
+               views of the received buffer), and the same through the wrapper the
+               pack puts on the captured accept (rank0_broadcast._graph_accept)
 "+%" compares a case with the bare collectives it issues (its `ref`). --cpu (or no CUDA):
 gloo CPU processes, eager only (a check that the code runs; the figures are gloo's).
 NVLink multicast is off in every process (tests/tp_nccl_cases.NO_MULTICAST).
@@ -64,6 +66,7 @@ def build_cases(group, device):
     import wrapt
 
     from adapter import broadcast as b
+    from adapter.rank0_broadcast import _graph_accept
     from adapter import tp_divergence as t
     from adapter.sites import Site
 
@@ -102,8 +105,7 @@ def build_cases(group, device):
     for gamma in GAMMAS:
         for bs in SIZES:
             draft = torch.arange(bs, device=device)
-            buf = torch.zeros(3, bs, dtype=torch.int64, device=device)
-            fields = [torch.arange(bs, device=device) + i for i in range(3)]
+            fields, buf = accept_triple(bs, device)
             p = f"step/g{gamma}/bs{bs}"
             drafts = lambda fn, *head: [(fn, (*head, draft))] * gamma  # noqa: E731
             cases += [Case(f"{p}/bare", repeat(*drafts(bare), (bare, (buf,))), gamma + 1),
@@ -116,16 +118,23 @@ def build_cases(group, device):
                 op = repeat(*drafts(fn, b.DSPARK, Site.DSPARK_DRAFT), (fn, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields)))
                 cases.append(Case(f"{p}/pack_on/report_{r}", op, gamma + 1, False, f"{p}/bare"))
     for bs in SIZES:
-        buf = torch.zeros(3, bs, dtype=torch.int64, device=device)
-        fields = [torch.arange(bs, device=device) + i for i in range(3)]
+        fields, buf = accept_triple(bs, device)
+        hooked = wrapt.FunctionWrapper(lambda fields=fields, **kwargs: fields, _graph_accept)
         p = f"triple/bs{bs}"
         cases += [Case(f"{p}/one_buffer", repeat((bare, (buf,))), 1),
-                  Case(f"{p}/packed_stack", repeat((pack, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields))), 1, False,
+                  Case(f"{p}/packed", repeat((pack, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields))), 1, False,
                        f"{p}/one_buffer"),
-                  Case(f"{p}/three_broadcasts", repeat(*[(bare, (f,)) for f in fields]), 3, False, f"{p}/one_buffer"),
-                  Case(f"{p}/one_buffer_pack", repeat((pack, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, buf))), 1, False,
-                       f"{p}/one_buffer")]
+                  Case(f"{p}/packed_hook", repeat((hooked, ())), 1, False, f"{p}/one_buffer"),
+                  Case(f"{p}/three_broadcasts", repeat(*[(bare, (f,)) for f in fields]), 3, False, f"{p}/one_buffer")]
     return cases
+
+
+def accept_triple(bs, device):
+    """The accept triple as the engine returns it (int32 correct_len, int64 bonus, int32
+    cap_trim_lens) and a buffer of its size in bytes, what one broadcast of it moves."""
+    fields = [torch.arange(bs, dtype=dtype, device=device) + i
+              for i, dtype in enumerate((torch.int32, torch.int64, torch.int32))]
+    return fields, torch.zeros(sum(f.numel() * f.element_size() for f in fields), dtype=torch.uint8, device=device)
 
 
 def cost_rank(rank, world, nccl, reps, calls, replays, per_graph):

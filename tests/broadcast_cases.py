@@ -204,6 +204,10 @@ def _bind(rank, world_size):
     bind_group(DFLASH, group)
 
 
+def _by_slug(counts) -> dict:
+    return {site.slug: n for site, n in counts.items()}
+
+
 def sites_case(rank, world_size, configs):
     """For each flag value in `configs` (None = unset): apply accordingly, run every
     site, and return the values plus the collectives issued per site."""
@@ -215,7 +219,7 @@ def sites_case(rank, world_size, configs):
         decision = _configure(value)
         COUNTS.clear()
         values = run_sites(rank, world_size, decision)
-        results[str(value)] = {"values": values, "counts": dict(COUNTS)}
+        results[str(value)] = {"values": values, "counts": _by_slug(COUNTS)}
     _configure(None)
     return results
 
@@ -231,7 +235,7 @@ def count_case(rank, world_size, gammas):
     for gamma in gammas:
         COUNTS.clear()
         run_sites(rank, world_size, decision, gamma=gamma)
-        counts[str(gamma)] = dict(COUNTS)
+        counts[str(gamma)] = _by_slug(COUNTS)
     _configure(None)
     return counts
 
@@ -350,7 +354,28 @@ def main_case(rank, world_size, configs, gammas=(), doctored=(), extras=True):
     if extras:
         out["group_rule"] = group_rule_case(rank, world_size)
         out["install"] = install_case(rank, world_size)
+        out["packing"] = packing_case(rank, world_size)
     if doctored:
         out["doctored"] = doctored_case(rank, world_size, doctored)
     out["seconds"] = time.time() - t0
     return out
+
+
+def packing_case(rank, world_size):
+    """The pack's broadcast() of several tensors in one collective: mixed dtypes and shapes,
+    one of them a view of a larger buffer; rank 1 starts from other values."""
+    from adapter.broadcast import COUNTS, DSPARK, broadcast
+    from adapter.sites import Site
+
+    _bind(rank, world_size)
+    shift = 100 * rank
+    buffer = torch.arange(10, dtype=torch.int64) + shift
+    tensors = (torch.arange(5, dtype=torch.int32) + shift, torch.arange(5, dtype=torch.int64) * 7 + shift,
+               torch.tensor([[True, rank == 1, False]]), buffer[2:6], torch.tensor(3.5 + rank, dtype=torch.float16))
+    before = [t.clone() for t in tensors]
+    COUNTS.clear()
+    out = broadcast(DSPARK, Site.DSPARK_ACCEPT_GRAPH, *tensors)
+    return {"values": [t.tolist() for t in out], "dtypes": [str(t.dtype) for t in out],
+            "shapes": [list(t.shape) for t in out], "same_object": [a is b for a, b in zip(out, tensors)],
+            "originals_kept": [torch.equal(a, b) for a, b in zip(tensors, before)],
+            "buffer": buffer.tolist(), "counts": _by_slug(COUNTS)}

@@ -153,6 +153,21 @@ def test_collective_counts(four_ranks):
         assert all(rank["counts"] == four_ranks[0]["counts"] for rank in four_ranks)
 
 
+def test_several_tensors_one_collective(two_ranks):
+    """Mixed dtypes and shapes in one collective: every rank gets rank 0's values with each
+    tensor's own dtype and shape; standalone tensors come back as new tensors (this rank's
+    originals untouched), a view of a larger buffer is written in place."""
+    zero, one = (rank["packing"] for rank in two_ranks)
+    assert one["values"] == zero["values"] == [[0, 1, 2, 3, 4], [0, 7, 14, 21, 28], [[True, False, False]],
+                                               [2, 3, 4, 5], 3.5]
+    assert one["dtypes"] == ["torch.int32", "torch.int64", "torch.bool", "torch.int64", "torch.float16"]
+    assert one["shapes"] == [[5], [5], [1, 3], [4], []]
+    assert one["same_object"] == [False, False, False, True, False]
+    assert one["originals_kept"] == [True, True, True, False, True]
+    assert one["buffer"] == [100, 101, 2, 3, 4, 5, 106, 107, 108, 109]
+    assert one["counts"] == zero["counts"] == {"dspark-accept-graph": 1}
+
+
 def test_group_rule(two_ranks):
     assert two_ranks[0]["group_rule"] == {"dspark-dp0": "tp", "dflash-dp0": "tp",
                                           "dspark-dp1": "attn", "dflash-dp1": "attn"}

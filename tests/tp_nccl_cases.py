@@ -295,10 +295,11 @@ def pack_case(rank, world, nccl, n, skewed):
                 triple[1].copy_(source + 1)
                 triple[2].copy_(source + 2)
                 draft.copy_(source + skew)
-                if broadcast is not None:
-                    broadcast(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *triple)
+                accepted = triple
+                if broadcast is not None:  # the triple comes back as views of one received buffer
+                    accepted = broadcast(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *triple)
                     broadcast(b.DSPARK, Site.DSPARK_DRAFT, draft)
-                row = torch.stack((triple[0], triple[1], triple[2].to(torch.int64), draft))
+                row = torch.stack((accepted[0], accepted[1], accepted[2].to(torch.int64), draft))
                 history.index_copy_(0, step, row.unsqueeze(0))
                 step.add_(1)
 
