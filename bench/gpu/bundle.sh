@@ -3,13 +3,13 @@
 # bench/fence_cost.py against the real engine: it has Python 3.12 and torch but no registry.
 #   bash bench/gpu/bundle.sh [DEST]     (DEST: default the repository root)
 #   DEST/.gpu/   sglang 0.5.23's .py sources (from .venv) as a tarball, this folder's scripts and stubs;
-#                sglang 0.5.18's .py sources (from .engines) and, in whl18/, the dependencies it pins that
-#                the device's differ from (its transformers, tokenizers, xgrammar; tests/test_tp_nccl.py)
+#                sglang 0.5.18's .py sources (from .engines) and, in whl18/, its pinned transformers,
+#                tokenizers, xgrammar and huggingface_hub (tests/test_tp_nccl.py), about 22 MiB more
 #   DEST/.whl/   the engine's pure-Python and cp312 dependencies, pinned, as wheels
 #   DEST/.dist/  the pack's wheel, built as the image's builder stage builds it
 # Keep DEST's copies out of git (.git/info/exclude) and carry them. The device tool sends the main
 # checkout only: from a worktree, copy its files into an ignored folder of the main checkout and
-# bundle into that folder (about 24 MiB):
+# bundle into that folder (about 50 MiB):
 #   git archive HEAD | tar -x -C /work/main/.wt13 && bash bench/gpu/bundle.sh /work/main/.wt13
 #   run(command="cd .wt13 && bash bench/gpu/run.sh", carry=[".wt13"])
 set -euo pipefail
