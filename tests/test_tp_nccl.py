@@ -6,24 +6,33 @@ torch.multiprocessing (tests/tp_nccl_cases.py).
    GroupCoordinator (pynccl inside graph capture, as its TP group): a skew on rank 1 in k
    of n replays is counted exactly k times at that site on rank 1, zero elsewhere; the
    replays run under torch.cuda.set_sync_debug_mode("error") and run no Python.
-2. The pack's rank-0 broadcast (what 0.5.16 - 0.5.18 use; their own modules are not on the
-   GPU machine, so the pack's broadcast() is driven directly over the same group): after
-   every replay every rank holds rank 0's values; with the broadcast off rank 1 diverges
-   in exactly the skewed replays (the test fails if the skew does not show).
+2. The pack's rank-0 broadcast (what 0.5.16 - 0.5.18 use) driven directly over the same
+   group: after every replay every rank holds rank 0's values; with the broadcast off rank 1
+   diverges in exactly the skewed replays (the test fails if the skew does not show).
+3. sglang 0.5.18 itself (tests/tp18_cases.py, the ranks spawned with 0.5.18 first on
+   sys.path): its GroupCoordinator and graph_capture(), its DsparkDraftSampler.__call__
+   (greedy and folded sampling) and DsparkVerifyEpilogue._accept captured in one graph,
+   DSV41_SPEC_TP_SYNC=all applied through the runtime or unset: on, no rank ever differs
+   from rank 0; off, rank 1's drafts and accept differ in exactly the skewed replays.
 
 The GPU tests are skipped without 2 CUDA GPUs. The same rank code runs here on gloo with
 2 and 4 CPU processes (each replay an eager call: nothing is captured), so its counting
-and value checks are exercised without a GPU. On the GPU machine:
+and value checks are exercised without a GPU (3 on 2 ranks: eagerly, with the Triton-only
+launches under _accept swapped for the engine's torch reference paths; only the GPU covers
+capture, Triton, NCCL and replays). On the GPU machine:
 `python3 -m pytest tests/test_tp_nccl.py -q -rA` (bench/gpu/tp_nccl.sh).
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import torch
 
+from tests import tp18_cases
+from tests.engines import ENGINE_PATHS
 from tests.tp_nccl_cases import BS, spawn_ranks
 
 N = 24
@@ -31,6 +40,21 @@ SKEWED = [2, 5, 11, 17, 23]  # k = 5 of n = 24 replays
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs at least 2 CUDA GPUs for NCCL (found {GPUS})")
 NCCL_TIMEOUT = 70  # seconds per spawn on the GPUs (bench/gpu/tp_nccl.sh bounds the whole run)
+NCCL18_TIMEOUT = 120  # 0.5.18's import and its Triton kernels' first compile in every rank
+
+
+def release18_path() -> list[str] | None:
+    """Where the ranks import sglang 0.5.18 from: ENGINE18_PATH (bench/gpu/setup.sh on the GPU
+    machine), else tests/engines.py's folders when scripts/setup.sh filled them."""
+    if os.environ.get("ENGINE18_PATH"):
+        return os.environ["ENGINE18_PATH"].split(os.pathsep)
+    paths = ENGINE_PATHS["0.5.18"]
+    return [str(p) for p in paths] if all(p.is_dir() for p in paths) else None
+
+
+RELEASE18 = release18_path()
+needs_release18 = pytest.mark.skipif(RELEASE18 is None, reason="sglang 0.5.18 is not here: set ENGINE18_PATH "
+                                     "(bench/gpu/setup.sh) or fill .engines (scripts/setup.sh)")
 
 
 def check_sync(ranks):
@@ -61,6 +85,28 @@ def check_pack(ranks):
         assert result["on"]["rows_off"] == [] and result["on_report"]["rows_off"] == [], (rank, result)
         diverged = [N, k, k * BS] if rank == 1 else [N, 0, 0]
         assert result["on_report"]["totals"] == {"10:dspark-accept-graph": diverged, "17:dspark-draft": diverged}, rank
+
+
+def check_release18(ranks):
+    fields = ("draft_greedy", "draft_folded", "accept")
+    calls = {"dspark-draft": 2 * tp18_cases.GAMMA, "dspark-accept-graph": 1}  # per region call, adapter on
+    for rank, result in enumerate(ranks):
+        assert result["sglang"] == "0.5.18", (result["sglang"], result["sglang_file"])
+        assert result["group"].startswith("sglang GroupCoordinator"), result["group"]
+        on, off = result["variants"]["on"], result["variants"]["off"]
+        for name, variant in (("on", on), ("off", off)):
+            assert variant["replays"] == N, (rank, name, variant)
+            # replays run no Python when captured; on the CPU each is an eager call
+            assert variant["python_calls_in_replays"] == (0 if variant["captured"] else N), (rank, name, variant)
+        assert set(on["wrapped"].values()) == {True} and set(off["wrapped"].values()) == {False}, (rank, on, off)
+        assert on["state"] == "applied" and off["state"] == "off", (rank, on["state"], off["state"])
+        assert on["collectives_at_capture"] == {s: c * on["calls_before_replays"] for s, c in calls.items()}, (rank, on)
+        assert off["collectives_at_capture"] == {}, (rank, off)
+        # on: every replay, every field holds rank 0's values; off: rank 1's skew shows in
+        # exactly the skewed replays, in the drafts of both samplers and in the accept
+        assert on["rows_off"] == {f: [] for f in fields}, (rank, on["rows_off"])
+        assert off["rows_off"] == {f: (SKEWED if rank == 1 else []) for f in fields}, (rank, off["rows_off"])
+    assert ranks[0]["variants"]["off"]["distinct_rows"] > 1  # the sampled rows redraw from replay to replay
 
 
 def report_group(ranks):
@@ -97,6 +143,17 @@ def test_nccl_pack_broadcast_in_graphs():
     check_pack(ranks)
 
 
+@needs_gpus
+@needs_release18
+def test_nccl_release18_draft_and_accept_in_graphs():
+    ranks = spawn_ranks(GPUS, "tests.tp18_cases:release18_case", nccl=True, kwargs={"n": N, "skewed": SKEWED},
+                        timeout=NCCL18_TIMEOUT, path=RELEASE18)
+    report_group(ranks)
+    print(f"sglang {ranks[0]['sglang']} from {ranks[0]['sglang_file']} (runtime judged {ranks[0]['engine_version']})")
+    assert all(r["variants"][v]["captured"] for r in ranks for v in ("on", "off"))
+    check_release18(ranks)
+
+
 # --- the same rank code on gloo, CPU processes (eager) -------------------------------------
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -112,3 +169,12 @@ def test_gloo_pack_broadcast(world):
     ranks = spawn_ranks(world, "tests.tp_nccl_cases:pack_case", nccl=False, kwargs={"n": N, "skewed": SKEWED},
                         timeout=240)
     check_pack(ranks)
+
+
+def test_gloo_release18_draft_and_accept():
+    """Not skipped: like tests/test_rank0_broadcast.py, CI has 0.5.18 in .engines."""
+    path = RELEASE18 or [str(p) for p in ENGINE_PATHS["0.5.18"]]
+    ranks = spawn_ranks(2, "tests.tp18_cases:release18_case", nccl=False, kwargs={"n": N, "skewed": SKEWED},
+                        timeout=240, path=path)
+    assert not any(r["variants"][v]["captured"] for r in ranks for v in ("on", "off"))
+    check_release18(ranks)

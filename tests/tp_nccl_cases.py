@@ -42,9 +42,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world, port, nccl, target, kwargs, outdir):
+def _child(rank, world, port, nccl, target, kwargs, outdir, path):
     os.environ.update(NO_MULTICAST)
     import importlib
+    import sys
+
+    sys.path[:0] = path  # before anything imports sglang: spawn hands the child the parent's sys.path
 
     import torch.distributed as dist
 
@@ -58,13 +61,15 @@ def _child(rank, world, port, nccl, target, kwargs, outdir):
     dist.destroy_process_group()
 
 
-def spawn_ranks(world: int, target: str, *, nccl: bool, kwargs: dict | None = None, timeout: float = 180) -> list:
-    """Each rank's result of target(rank, world, nccl=..., **kwargs), one process per rank."""
+def spawn_ranks(world: int, target: str, *, nccl: bool, kwargs: dict | None = None, timeout: float = 180,
+                path: list[str] = ()) -> list:
+    """Each rank's result of target(rank, world, nccl=..., **kwargs), one process per rank;
+    `path` goes first on each rank's sys.path (another engine release)."""
     import torch.multiprocessing as mp
 
     os.environ.update(NO_MULTICAST)  # inherited by the children too, before they import anything
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_child, args=(world, _free_port(), nccl, target, kwargs or {}, outdir),
+        ctx = mp.start_processes(_child, args=(world, _free_port(), nccl, target, kwargs or {}, outdir, list(path)),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

@@ -8,5 +8,19 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/stubs && cp -r .gpu/stubs/. /tmp/stubs/
 chmod -R a+rX /tmp/eng /tmp/site /tmp/stubs
 export ENGINE_PATH=/tmp/eng:/tmp/site:/tmp/stubs
+# sglang 0.5.18 (bundles made before it was added lack it): its sources, and its own pins ahead of
+# the carried 0.5.23 set; ENGINE18_PATH is what tests/test_tp_nccl.py's 0.5.18 ranks put first.
+# On CUDA 0.5.18 imports flashinfer unconditionally (fp8_utils: bmm_fp8), which the device lacks:
+# a placeholder there (the sgl_kernel one), and the engine's own switch saying flashinfer is not
+# available so that nothing takes its paths (a no-op for 0.5.23, which finds no flashinfer at all).
+if [ -f .gpu/sglang18-src.tar.xz ]; then
+  mkdir -p /tmp/eng18 && tar xJf .gpu/sglang18-src.tar.xz -C /tmp/eng18
+  mkdir -p /tmp/eng18/sglang/kernels/jit/include /tmp/eng18/sglang/kernels/jit/csrc
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site18 .gpu/whl18/*.whl
+  mkdir -p /tmp/stubs18/flashinfer && cp .gpu/stubs/sgl_kernel/__init__.py /tmp/stubs18/flashinfer/
+  chmod -R a+rX /tmp/eng18 /tmp/site18 /tmp/stubs18
+  export ENGINE18_PATH=/tmp/eng18:/tmp/site18:/tmp/site:/tmp/stubs:/tmp/stubs18
+  export SGLANG_IS_FLASHINFER_AVAILABLE=false
+fi
 export PYTHONUNBUFFERED=1
 set +e

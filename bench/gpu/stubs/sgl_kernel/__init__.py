@@ -1,6 +1,7 @@
 """Placeholder sgl_kernel for importing sglang's Python modules on a GPU box without the
 real kernel wheel (nothing on the folded-accept path calls it). Any attribute is a
-callable that raises if called; any submodule resolves to another placeholder."""
+callable that raises if called; any submodule resolves to another placeholder. The file
+names no package: setup.sh copies it as 0.5.18's flashinfer placeholder too."""
 import importlib.abc, importlib.machinery, sys, types
 
 __version__ = "0.0.0-placeholder"
@@ -11,7 +12,7 @@ class _Missing:
         self._name = name
 
     def __call__(self, *a, **k):
-        raise RuntimeError(f"sgl_kernel placeholder: {self._name} called")
+        raise RuntimeError(f"{__name__} placeholder: {self._name} called")
 
     def __getattr__(self, item):
         return _Missing(f"{self._name}.{item}")
@@ -25,7 +26,7 @@ def __getattr__(name):
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
-        if fullname.startswith("sgl_kernel."):
+        if fullname.startswith(__name__ + "."):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
