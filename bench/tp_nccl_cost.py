@@ -125,16 +125,23 @@ def build_cases(group, device):
                   Case(f"{p}/packed", repeat((pack, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields))), 1, False,
                        f"{p}/one_buffer"),
                   Case(f"{p}/packed_hook", repeat((hooked, ())), 1, False, f"{p}/one_buffer"),
-                  Case(f"{p}/three_broadcasts", repeat(*[(bare, (f,)) for f in fields]), 3, False, f"{p}/one_buffer")]
+                  Case(f"{p}/three_broadcasts", repeat(*[(bare, (f,)) for f in fields]), 3, False, f"{p}/one_buffer"),
+                  # where packing's eager time goes: a fresh buffer per call, the concatenation alone,
+                  # and concatenation + broadcast without the views
+                  Case(f"{p}/fresh_buffer", repeat((lambda buf=buf: bare(torch.empty_like(buf)), ())), 1, False, f"{p}/one_buffer"),
+                  Case(f"{p}/cat_only", repeat((lambda fields=fields: torch.cat([f.view(torch.int32) for f in fields]), ())), 0),
+                  Case(f"{p}/cat_broadcast", repeat((lambda fields=fields: bare(torch.cat([f.view(torch.int32) for f in fields])), ())),
+                       1, False, f"{p}/one_buffer")]
     return cases
 
 
 def accept_triple(bs, device):
     """The accept triple as the engine returns it (int32 correct_len, int64 bonus, int32
-    cap_trim_lens) and a buffer of its size in bytes, what one broadcast of it moves."""
+    cap_trim_lens) and a buffer of its size and of the dtype the pack packs it in (int32):
+    what one broadcast of it moves."""
     fields = [torch.arange(bs, dtype=dtype, device=device) + i
               for i, dtype in enumerate((torch.int32, torch.int64, torch.int32))]
-    return fields, torch.zeros(sum(f.numel() * f.element_size() for f in fields), dtype=torch.uint8, device=device)
+    return fields, torch.zeros(4 * bs, dtype=torch.int32, device=device)
 
 
 def cost_rank(rank, world, nccl, reps, calls, replays, per_graph):

@@ -190,7 +190,7 @@ def _variant(rank, group, nccl, device, n, skewed, originals):
             region()  # the warm-up capture() does on the GPU
         graph = capture(group, region, nccl)
         captures = python_calls[0]
-        counts = dict(COUNTS)
+        counts = {site.slug: n for site, n in COUNTS.items()}
         step.zero_()
         torch.manual_seed(SEED)  # every rank and variant replays the same random draws
         ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
