@@ -22,7 +22,6 @@ import io
 import json
 import os
 import pathlib
-import socket
 import tempfile
 import time
 import types
@@ -36,13 +35,7 @@ BS = 64
 # ---------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank, world, port, nccl, target, kwargs, outdir, path):
+def _child(rank, world, rendezvous, nccl, target, kwargs, outdir, path):
     os.environ.update(NO_MULTICAST)
     import importlib
     import sys
@@ -53,7 +46,7 @@ def _child(rank, world, port, nccl, target, kwargs, outdir, path):
 
     if nccl:
         torch.cuda.set_device(rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=rendezvous)
     module, name = target.split(":")
     result = getattr(importlib.import_module(module), name)(rank, world, nccl=nccl, **kwargs)
     pathlib.Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -69,7 +62,10 @@ def spawn_ranks(world: int, target: str, *, nccl: bool, kwargs: dict | None = No
 
     os.environ.update(NO_MULTICAST)  # inherited by the children too, before they import anything
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_child, args=(world, _free_port(), nccl, target, kwargs or {}, outdir, list(path)),
+        # A file in the run's own folder, not a TCP port: a free port picked here can be taken
+        # before the children bind it (seen on the GPU machine between two runs).
+        rendezvous = f"file://{outdir}/rendezvous"
+        ctx = mp.start_processes(_child, args=(world, rendezvous, nccl, target, kwargs or {}, outdir, list(path)),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
