@@ -22,6 +22,6 @@ timeout -k 10 220 python3 -m pytest tests/test_tp_nccl.py -k "${PYTEST_K:-not gl
   | tee $OUT/test_tp_nccl.log | tail -40
 echo "pytest rc=${PIPESTATUS[0]}"
 [ "${BENCH:-1}" = 0 ] && exit 0
-timeout -k 10 140 python3 bench/tp_nccl_cost.py --timeout 125 ${BENCH_ARGS:-} --json $OUT/tp_nccl_cost.json 2>&1 \
+timeout -k 10 200 python3 bench/tp_nccl_cost.py --timeout 185 ${BENCH_ARGS:-} --json $OUT/tp_nccl_cost.json 2>&1 \
   | tee $OUT/tp_nccl_cost.txt | grep -v -i warn | tail -90
 echo "bench rc=${PIPESTATUS[0]}"
