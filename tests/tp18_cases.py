@@ -154,7 +154,7 @@ def _wrapped(originals) -> dict:
 def _variant(rank, group, nccl, device, n, skewed, originals):
     """One capture of the region and n replays under the current decision."""
     from adapter.broadcast import COUNTS
-    from tests.tp_nccl_cases import capture, no_host_sync, run
+    from tests.tp_nccl_cases import _replays, capture
 
     skew = torch.zeros((), device=device)
     x = _inputs(device)
@@ -193,13 +193,7 @@ def _variant(rank, group, nccl, device, n, skewed, originals):
         counts = {site.slug: n for site, n in COUNTS.items()}
         step.zero_()
         torch.manual_seed(SEED)  # every rank and variant replays the same random draws
-        ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
-        with no_host_sync(nccl):
-            for i in range(n):
-                skew.copy_(ones if rank == 1 and i in skewed else zeros)
-                run(graph, region)
-        if nccl:
-            torch.cuda.synchronize()
+        _replays(n, skewed, rank, skew, graph, region, nccl)
     spans, start = {}, 0
     for name, ts in fields.items():
         size = sum(t.numel() for t in ts)
