@@ -40,7 +40,7 @@ import sys
 import tempfile
 from typing import Optional
 
-__all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "clone_detach", "kernel_path", "extension", "use_extension", "build"]
+__all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "kernel_path", "extension", "use_extension", "build"]
 
 PATH_ENV = "SGLANG_ADAPTERS_SNAPSHOT_KERNEL"  # not DSV41_*: those are the pack's flags
 MODULE = "dsv41_accept_snapshot"              # the library's Python module name (PyInit_<MODULE>)
@@ -179,11 +179,6 @@ def _getter(fields: tuple):
     if get is None:
         get = _getters[fields] = operator.attrgetter(*fields)
     return get
-
-
-def clone_detach(outs, fields: tuple):
-    """Plain clones of each field: the CPU path, and the fallback."""
-    return type(outs)(**{name: t.clone() for name, t in zip(fields, _getter(fields)(outs))})
 
 
 def snapshot(tensors):
