@@ -36,15 +36,19 @@ def parse_switch(name: str, environ: Mapping[str, str]) -> bool:
     )
 
 
-def edit_distance(a: str, b: str) -> int:
-    """Levenshtein distance (insertions, deletions, substitutions), row by row."""
+def edit_distance(a: str, b: str, limit: int) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions), row by row, or limit + 1
+    as soon as it must exceed `limit`: every variable of every process is measured against
+    every flag at start-up, and only near misses matter."""
     previous = list(range(len(b) + 1))
     for i, char_a in enumerate(a, 1):
         current = [i]
         for j, char_b in enumerate(b, 1):
             current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        if min(current) > limit:  # a row's minimum never decreases further down
+            return limit + 1
         previous = current
-    return previous[-1]
+    return min(previous[-1], limit + 1)
 
 
 def resembles(name: str, flags) -> str | None:
@@ -53,5 +57,5 @@ def resembles(name: str, flags) -> str | None:
     if name in flags:
         return None
     upper = name.upper()
-    close = sorted((edit_distance(upper, flag), flag) for flag in flags if abs(len(flag) - len(upper)) <= 2)
+    close = sorted((edit_distance(upper, flag, 2), flag) for flag in flags if abs(len(flag) - len(upper)) <= 2)
     return close[0][1] if close and close[0][0] <= 2 else None
