@@ -25,7 +25,7 @@ from typing import Optional
 from . import divergence, upstream_sync
 from .contract import POSITIONAL, Contract, Patch, Plan, Refused, target_modules, version_of
 from .flags import FlagError, parse_switch
-from .sites import Site, labels
+from .sites import Site, labels, slug_of
 
 NAME = "tp_divergence"
 FLAG = "DSV41_TP_DIVERGENCE"
@@ -128,7 +128,8 @@ def _engine_plan(module, setting: Setting, context) -> Plan:
     what, selected = upstream_sync.selected(contract, context)
     memory = {int(s) for s in NOT_COMPARED}
     compared = sorted(n for n in selected if n not in memory)
-    label = lambda n: f"{n}:{names[n].lower().replace('_', '-')}"  # noqa: E731
+    # Labelled from the engine's own names: it may number sites the pack's Site does not know.
+    label = lambda n: f"{n}:{slug_of(names[n])}"  # noqa: E731
     if not compared:
         raise Refused(NAME, FLAG, f"no site broadcasts a value ({what}): there is nothing to compare; "
                                   f"select broadcast sites or unset {FLAG}", version_of(module))
