@@ -207,21 +207,28 @@ def test_drifted_copies_are_refused_naming_the_symbol(name, tmp_path):
     assert patching.applied() == []  # nothing was patched on the way to the refusal
 
 
-def test_copy_that_already_detaches_is_superseded(tmp_path):
-    """The upstream fix (snapshot_accept) as a doctored copy of the real module."""
-    snapshot = (
-        "    def snapshot_accept(self, bs: int) -> AcceptOuts:\n"
-        "        views = self.read_accept(bs)\n"
-        "        return AcceptOuts(**{f: getattr(views, f).clone() for f in AcceptOuts.__struct_fields__})\n\n"
-        "    def read_accept(self, bs: int) -> AcceptOuts:\n"
-    )
+READ_ACCEPT_DEF = "    def read_accept(self, bs: int) -> AcceptOuts:\n"
+
+
+def decide_with_snapshot(tmp_path, snapshot_accept: str):
+    """The fence's decision on a doctored copy of the real 0.5.23 module whose epilogue has
+    `snapshot_accept` (its source) and whose folded path returns it, as upstream's fix does."""
     module = doctored_module(
         V,
         ("            return self.verify_epilogue.read_accept(bs)\n", "            return self.verify_epilogue.snapshot_accept(bs)\n"),
-        ("    def read_accept(self, bs: int) -> AcceptOuts:\n", snapshot),
+        (READ_ACCEPT_DEF, snapshot_accept + READ_ACCEPT_DEF),
         directory=tmp_path,
     )
-    decision = runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
+    return runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
+
+
+def test_copy_that_already_detaches_is_superseded(tmp_path):
+    """The upstream fix (snapshot_accept) as a doctored copy of the real module."""
+    decision = decide_with_snapshot(tmp_path, (
+        "    def snapshot_accept(self, bs: int) -> AcceptOuts:\n"
+        "        views = self.read_accept(bs)\n"
+        "        return AcceptOuts(**{f: getattr(views, f).clone() for f in AcceptOuts.__struct_fields__})\n\n"
+    ))
     # The two other routes of 0.5.23 are still fenced; accept_and_finalize is left alone.
     assert decision.outcomes[0].state == runtime.APPLIED
     assert "DsparkVerifyEpilogue.snapshot_accept" in decision.outcomes[0].reason
@@ -309,21 +316,13 @@ def test_struct_built_another_way_is_refused(tmp_path):
 
 
 def test_snapshot_that_copies_four_of_six_fields_is_not_taken_for_the_fix(tmp_path):
-    copies_four = (
+    decision = decide_with_snapshot(tmp_path, (
         "    def snapshot_accept(self, bs: int) -> AcceptOuts:\n"
         "        views = self.read_accept(bs)\n"
         "        return AcceptOuts(correct_len=views.correct_len.clone(), bonus=views.bonus.clone(),\n"
         "                          cap_trim_lens=views.cap_trim_lens.clone(), commit_lens=views.commit_lens.clone(),\n"
         "                          new_seq_lens=views.new_seq_lens, out_tokens=views.out_tokens)\n\n"
-        "    def read_accept(self, bs: int) -> AcceptOuts:\n"
-    )
-    module = doctored_module(
-        V,
-        ("            return self.verify_epilogue.read_accept(bs)\n", "            return self.verify_epilogue.snapshot_accept(bs)\n"),
-        ("    def read_accept(self, bs: int) -> AcceptOuts:\n", copies_four),
-        directory=tmp_path,
-    )
-    decision = runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
+    ))
     assert decision.outcomes[0].state == runtime.APPLIED
     assert "snapshot_accept is not shown to clone every field" in decision.outcomes[0].reason
     assert folded_wrapper(decision) is folded_fence._fence_folded_accept
