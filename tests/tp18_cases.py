@@ -43,19 +43,11 @@ BINDINGS = (("dspark_draft_sampler", "greedy_step_sampler"), ("dspark_draft_samp
 
 
 def _configure(value):
-    """The rank-0 broadcast decided and applied as every rank does (the installed engine
-    judged without the plugin-delivery check: the pack sits on sys.path, not installed)."""
+    """The rank-0 broadcast set to `value` (None: unset) through the runtime, as every rank does."""
     from adapter import rank0_broadcast as r
-    from adapter import runtime
-    from tests.doctored import DoctoredEngine
+    from tests.tp_nccl_cases import switch
 
-    decision = runtime.decide({} if value is None else {r.FLAG: value}, DoctoredEngine({}), names=(r.NAME,))
-    runtime.apply(decision)
-    outcome = decision.outcomes[0]
-    want = runtime.APPLIED if value else runtime.OFF
-    if outcome.state != want:
-        raise RuntimeError(f"rank0_broadcast is {outcome.state}, not {want}: {outcome.reason}")
-    return outcome.state
+    return switch(r, {} if value is None else {r.FLAG: value})
 
 
 @contextlib.contextmanager

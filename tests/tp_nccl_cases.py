@@ -171,19 +171,27 @@ def device_of(group, nccl: bool):
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-def report(on: bool, every: int = 8) -> None:
-    """The divergence report switched on or off through the runtime, as every rank does (the
-    installed engine judged without the plugin-delivery check: the pack sits on PYTHONPATH)."""
+def switch(adapter, environ: dict) -> str:
+    """`adapter` alone decided and applied for `environ` as every rank does (the installed
+    engine judged without the plugin-delivery check: the pack sits on the path, not
+    installed); it must come out applied when `environ` sets its flag, else off."""
     from adapter import runtime
-    from adapter import tp_divergence as t
     from tests.doctored import DoctoredEngine
 
-    environ = {t.FLAG: "1", t.EVERY_FLAG: str(every)} if on else {}
-    decision = runtime.decide(environ, DoctoredEngine({}), names=(t.NAME,))
+    decision = runtime.decide(environ, DoctoredEngine({}), names=(adapter.NAME,))
     runtime.apply(decision)
-    want = runtime.APPLIED if on else runtime.OFF
-    if decision.outcomes[0].state != want:
-        raise RuntimeError(f"tp_divergence is {decision.outcomes[0].state}, not {want}: {decision.outcomes[0].reason}")
+    outcome = decision.outcomes[0]
+    want = runtime.APPLIED if environ.get(adapter.FLAG) else runtime.OFF
+    if outcome.state != want:
+        raise RuntimeError(f"{adapter.NAME} is {outcome.state}, not {want}: {outcome.reason}")
+    return outcome.state
+
+
+def report(on: bool, every: int = 8) -> None:
+    """The divergence report switched on or off through the runtime, as every rank does."""
+    from adapter import tp_divergence as t
+
+    switch(t, {t.FLAG: "1", t.EVERY_FLAG: str(every)} if on else {})
 
 
 def _replays(n, skewed, rank, skew, graph, region, nccl):
