@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from .contract import Refused
+from .contract import Refused, scoped_nodes
 
 # Kinds of reference (UNPARSED: a file holding a name that does not parse; never known).
 NAME, BIND, ATTRIBUTE, IMPORT, DEFINITION, PARAMETER, KEYWORD, STRING, UNPARSED = (
@@ -185,18 +185,18 @@ def _file_references(module: str, path: str, data: bytes, names) -> list:
     def add(node, function, name, kind, receiver=None):
         found.append(Reference(module, path, node.lineno, function, name, kind, receiver))
 
-    stack = [(tree, "<module>")]
-    while stack:
-        node, function = stack.pop()
-        first = getattr(node, "lineno", None)
-        if first is not None:
-            # A definition's line is its `def`; its decorators come before it.
-            first = min([first, *(d.lineno for d in getattr(node, "decorator_list", ()))])
-            at = bisect.bisect_left(lines, first)
-            if at == len(lines) or lines[at] > (node.end_lineno or first):
-                continue  # no line of this node holds a name
+    def enter(node) -> bool:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # a docstring or bare literal: inert
+            return False  # a docstring or bare literal: inert
+        first = getattr(node, "lineno", None)
+        if first is None:
+            return True
+        # A definition's line is its `def`; its decorators come before it.
+        first = min([first, *(d.lineno for d in getattr(node, "decorator_list", ()))])
+        at = bisect.bisect_left(lines, first)
+        return at < len(lines) and lines[at] <= (node.end_lineno or first)  # a line of it holds a name
+
+    for node, function in scoped_nodes(tree, enter):
         if isinstance(node, ast.Name):
             add(node, function, node.id, NAME if isinstance(node.ctx, ast.Load) else BIND)
         elif isinstance(node, ast.Attribute):
@@ -219,9 +219,6 @@ def _file_references(module: str, path: str, data: bytes, names) -> list:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             for word in set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", node.value)):
                 add(node, function, word, STRING)
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            function = node.name if function == "<module>" else f"{function}.{node.name}"
-        stack.extend((child, function) for child in reversed(list(ast.iter_child_nodes(node))))
     found.sort(key=lambda r: r.line)
     return found
 

@@ -289,22 +289,32 @@ class Index:
     calls: list[Found] = field(default_factory=list)
 
 
+def scoped_nodes(tree, enter=None):
+    """Every node of `tree` in source order, with the qualified name of the class or
+    function holding it (Class.method) or "<module>"; a node for which `enter(node)` is
+    false is skipped with everything inside it."""
+    stack = [(tree, "<module>")]
+    while stack:
+        node, function = stack.pop()
+        if enter is not None and not enter(node):
+            continue
+        yield node, function
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name if function == "<module>" else f"{function}.{node.name}"
+        stack.extend((child, function) for child in reversed(list(ast.iter_child_nodes(node))))
+
+
 @functools.lru_cache(maxsize=64)
 def _index(source: str) -> Index:
     """The source parsed and indexed once, however many checks read it."""
     index = Index()
-    stack = [(ast.parse(source), "<module>")]
-    while stack:
-        node, function = stack.pop()
+    for node, function in scoped_nodes(ast.parse(source)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             index.names.setdefault(node.id, []).append(Found(function, node.lineno, node))
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
             index.attrs.setdefault(node.attr, []).append(Found(function, node.lineno, node))
         elif isinstance(node, ast.Call):
             index.calls.append(Found(function, node.lineno, node))
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            function = node.name if function == "<module>" else f"{function}.{node.name}"
-        stack.extend((child, function) for child in reversed(list(ast.iter_child_nodes(node))))
     for found in (*index.names.values(), *index.attrs.values(), index.calls):
         found.sort(key=lambda f: (f.line, f.node.col_offset))
     return index
