@@ -16,7 +16,7 @@ import os
 
 import wrapt
 
-from . import ADAPTERS, load, patching, runtime
+from . import ADAPTERS, load, patching, runtime, topology
 from .contract import Patch
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
@@ -28,7 +28,10 @@ def register() -> None:
 
 
 def _apply_before_init(wrapped, instance, args, kwargs):
-    error = runtime.apply_once(os.environ).error()
+    # Scheduler(server_args, ...) in every release: the rank judges its own deployment.
+    server_args = args[0] if args else kwargs.get("server_args")
+    deployment = topology.from_server_args(server_args) if server_args is not None else None
+    error = runtime.apply_once(os.environ, deployment).error()
     if error is not None:
         raise error
     return wrapped(*args, **kwargs)

@@ -24,6 +24,7 @@ from typing import Optional
 from . import ADAPTERS, audit, delivery, load, patching
 from .contract import InstalledEngine, Plan, Refused
 from .flags import FlagError, resembles
+from .topology import Topology
 
 PREFIX = "[sglang-adapters]"
 
@@ -50,11 +51,14 @@ class AdapterRefused(Exception):
 class Context:
     """What an adapter's check may know besides the engine: the process environment (the
     engine's own switches as the user set them), every adapter's setting (None where its
-    flag was refused), and what the adapters decided before it hand to the engine."""
+    flag was refused), what the adapters decided before it hand to the engine, and the
+    deployment's topology (adapter.topology), None where it is not known: a verdict that
+    depends on it must then hold for every topology."""
 
     environ: Mapping[str, str] = field(default_factory=dict)
     settings: Mapping[str, object] = field(default_factory=dict)
     handed: Mapping[str, str] = field(default_factory=dict)
+    topology: Optional[Topology] = None
 
     def engine_env(self, name: str) -> Optional[str]:
         """The variable as the engine's processes will read it."""
@@ -98,6 +102,7 @@ class Decision:
     flag_errors: list[str] = field(default_factory=list)
     settings: dict[str, object] = field(default_factory=dict)
     switched_off: bool = False  # DSV41_ADAPTERS=off
+    topology: Optional[Topology] = None  # the deployment judged for; None: every topology
 
     def lines(self, form: str = "text") -> list[str]:
         """What a process that took this decision prints: one line per adapter, or one
@@ -157,15 +162,16 @@ def _check(adapter, engine, setting, context: Context) -> tuple[str, str, Option
     return plan.state, plan.detail, plan
 
 
-def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
-    """Every adapter's outcome for `environ` on `engine` (the installed one by default).
-    Pure: nothing is patched and nothing is written into the environment."""
+def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS, topology: Optional[Topology] = None) -> Decision:
+    """Every adapter's outcome for `environ` on `engine` (the installed one by default), for
+    the deployment `topology` (None: not known, judged for every topology). Pure: nothing
+    is patched and nothing is written into the environment."""
     engine = engine or InstalledEngine()
     adapters = {name: load(name) for name in names}
     if switched_off(environ):
         reason = f"{MASTER}=off: the whole pack is off"
         outcomes = [Outcome(n, a.FLAG, environ.get(a.FLAG), OFF, reason, engine.version) for n, a in adapters.items()]
-        return Decision(engine.version, outcomes, {}, switched_off=True)
+        return Decision(engine.version, outcomes, {}, switched_off=True, topology=topology)
     settings, flag_errors = {}, {}
     for name, adapter in adapters.items():
         try:
@@ -180,7 +186,7 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
         elif not settings[name]:
             state, reason, plan = OFF, f"{adapter.FLAG} is off", None
         else:
-            context = Context(environ, settings, dict(handed))
+            context = Context(environ, settings, dict(handed), topology)
             state, reason, plan = _check(adapter, engine, settings[name], context)
         if plan is not None:
             plans[name] = plan
@@ -188,24 +194,24 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS) -> Decision:
         outcomes[name] = Outcome(name, adapter.FLAG, environ.get(adapter.FLAG), state, reason, engine.version)
     flag_problems = unknown_flags(environ) + switch_problems(environ)
     decision = Decision(engine.version, [outcomes[n] for n in names], plans, flag_problems,
-                        flag_errors=list(flag_errors.values()) + flag_problems, settings=settings)
+                        flag_errors=list(flag_errors.values()) + flag_problems, settings=settings, topology=topology)
     if decision.enabled:
         decision.problems += delivery_problems(environ, engine)  # ranks that skip the plugin would not apply it
     return decision
 
 
-def engine_check(adapter, engine=None) -> tuple[str, str]:
+def engine_check(adapter, engine=None, topology: Optional[Topology] = None) -> tuple[str, str]:
     """What `adapter` would do on `engine` if switched on at its broadest setting
     (CHECK_VALUE), with every other adapter off (but those named in its CHECK_WITH) and no
     engine switch set: a judgement of the engine alone (doctor's engine check column, the
-    compatibility matrix)."""
+    compatibility matrix), for `topology` (None: every topology)."""
     engine = engine or InstalledEngine()
     setting = adapter.parse({adapter.FLAG: adapter.CHECK_VALUE})
     settings = {adapter.NAME: setting}
     # An adapter that works on another's changes (CHECK_WITH) is judged with those on.
     for name, value in getattr(adapter, "CHECK_WITH", {}).items():
         settings[name] = load(name).parse({load(name).FLAG: value})
-    state, reason, _ = _check(adapter, engine, setting, Context(settings=settings))
+    state, reason, _ = _check(adapter, engine, setting, Context(settings=settings, topology=topology))
     return state, reason
 
 
@@ -236,14 +242,15 @@ def revert() -> None:
 _applied: Optional[Decision] = None
 
 
-def apply_once(environ: Mapping[str, str] = os.environ) -> Decision:
-    """Decide and apply once per process (launcher, each rank); one line per adapter.
+def apply_once(environ: Mapping[str, str] = os.environ, topology: Optional[Topology] = None) -> Decision:
+    """Decide and apply once per process (launcher, each rank) for the deployment's
+    `topology` (each rank's from its server_args); one line per adapter.
     A refused decision is printed and returned unapplied: the caller stops the engine.
     Once applied, a loaded engine module that still holds an original the pack wrapped
     refuses it too (adapter.audit)."""
     global _applied
     if _applied is None:
-        _applied = decide(environ)
+        _applied = decide(environ, topology=topology)
         if not _applied.refused:
             apply(_applied)
             _applied.problems += audit.problems(patching.applied(), _applied.engine)
