@@ -1,7 +1,7 @@
 """The pack's command line: the console script `sglang-adapters` and the image's ENTRYPOINT.
 
     sglang-adapters                            the doctor report (no arguments)
-    sglang-adapters doctor [--json] [--strict] [--engine PATH]
+    sglang-adapters doctor [--json] [--strict] [--engine PATH] [-- COMMAND ...]
     sglang-adapters [--] COMMAND ARGS...       wrapper: check flags and engine, apply here, exec COMMAND
     sglang-adapters launch SERVER-ARGS...      the engine's server in this process, after the same check;
     sglang-adapters --model-path ...           bare server arguments are a shorthand for it
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import textwrap
 
-from adapter import ADAPTERS, delivery, load, runtime
+from adapter import ADAPTERS, delivery, load, runtime, topology
 from adapter.contract import InstalledEngine, engine_version
 from adapter.source_engine import open_engine
 
@@ -138,6 +138,11 @@ def build_parser() -> Parser:
         "--engine", metavar="PATH",
         help="check an engine that is not imported here: an sglang wheel, or a folder holding sglang/ "
              "(an unpacked wheel or site-packages); read from its sources, nothing of it runs")
+    doctor_parser.add_argument(
+        "command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+        help="judge the deployment this command would start (its server arguments, read with the engine's own "
+             "parser; nothing is run); without it, every adapter whose verdict depends on the deployment is "
+             "shown per representative layout")
     doctor_parser.set_defaults(run=doctor)
     commands.add_parser(
         "launch", help="check, apply here, then run the engine's server with SERVER-ARGS in this process",
@@ -175,6 +180,16 @@ def main(argv: list[str] | None = None) -> int:
 # --- doctor ---------------------------------------------------------------------------------
 
 def doctor(opts) -> int:
+    command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
+    if opts.command and not command:
+        build_parser().error("no COMMAND after --")
+    if command:
+        deployment, judged = topology.from_command(command)
+        if deployment is None:
+            print(f"{runtime.PREFIX} doctor -- {' '.join(command)}: {judged} (exit {EXIT_USAGE})", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+    else:
+        deployment, judged = None, ""
     with tempfile.TemporaryDirectory() as workdir:
         if opts.engine:
             try:
@@ -185,7 +200,7 @@ def doctor(opts) -> int:
                 return EXIT_USAGE
         else:
             engine = InstalledEngine()
-        found = report(os.environ, engine)
+        found = report(os.environ, engine, deployment, judged)
     status = VERDICT_STATUS[verdict(found)]
     if opts.json:
         emit(json.dumps(as_json(found, opts.engine, status), indent=2))
@@ -198,7 +213,7 @@ def doctor(opts) -> int:
         else:
             ranks = None
         emit(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"])
-             + f"\nverdict: {verdict(found)} (doctor --strict exits {status})")
+             + render_deployment(found) + f"\nverdict: {verdict(found)} (doctor --strict exits {status})")
     return status if opts.strict else EXIT_OK
 
 
@@ -211,17 +226,19 @@ def emit(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def report(environ, engine) -> dict:
+def report(environ, engine, deployment=None, judged: str = "") -> dict:
     """doctor's findings: the decision the launcher and every rank take for `environ` on
-    `engine`, plus each adapter's engine check (switched on, every other adapter off), so
-    that a drifted engine fails `docker build` although the image is built with every flag
-    unset. `failed` is what --strict fails on; `flag_errors` the part of it that is the
-    pack's flags not understood."""
-    decision = runtime.decide(environ, engine)
+    `engine` and the `deployment` (a Topology, None: every topology), plus each adapter's
+    engine check (switched on, every other adapter off), so that a drifted engine fails
+    `docker build` although the image is built with every flag unset. Without a deployment,
+    `by_layout` holds the outcomes on each representative layout wherever they differ.
+    `failed` is what --strict fails on; `flag_errors` the part of it that is the pack's
+    flags not understood."""
+    decision = runtime.decide(environ, engine, topology=deployment)
     rows = []
     for outcome in decision.outcomes:
         adapter = load(outcome.adapter)
-        check = runtime.engine_check(adapter, engine)
+        check = runtime.engine_check(adapter, engine)  # the engine alone: any deployment
         rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1],
                      "setting": decision.settings.get(outcome.adapter), "machine": runtime.machine_note(outcome.adapter) or None})
     delivery_problems = runtime.delivery_problems(environ, engine)
@@ -235,7 +252,36 @@ def report(environ, engine) -> dict:
         "unknown_flags": runtime.unknown_flags(environ),
         "flag_errors": decision.flag_errors, "switched_off": decision.switched_off,
         "failed": decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows),
+        "deployment": deployment, "judged": judged,
+        "by_layout": {} if deployment is not None else by_layout(environ, engine),
     }
+
+
+def by_layout(environ, engine) -> dict:
+    """adapter -> {layout name: (outcome, reason)} on each representative layout, for the
+    adapters whose outcome differs between them (the decision without a deployment holds
+    for every layout)."""
+    outcomes = {name: runtime.decide(environ, engine, topology=layout).outcomes
+                for name, layout in topology.REPRESENTATIVE.items()}
+    found = {}
+    for index, adapter in enumerate(ADAPTERS):
+        per_layout = {name: (o[index].state, o[index].reason) for name, o in outcomes.items()}
+        if len({state for state, _ in per_layout.values()}) > 1:
+            found[adapter] = per_layout
+    return found
+
+
+def render_deployment(found: dict) -> str:
+    """Which deployment the verdicts are for: the command's, or every layout, then the
+    adapters whose outcome depends on the layout, one line per layout."""
+    if found["deployment"] is not None:
+        return f"\ndeployment: {found['deployment'].describe()} ({found['judged']})"
+    lines = ["", "deployment: none given (doctor -- COMMAND judges one); the outcomes above hold for every layout"]
+    for adapter, per_layout in found["by_layout"].items():
+        lines.append(f"  {adapter} depends on the layout:")
+        for name, (state, reason) in per_layout.items():
+            lines.append(f"    {topology.REPRESENTATIVE[name].describe()}: {state} - {reason}")
+    return "\n".join(lines)
 
 
 def verdict(found: dict) -> str:
@@ -276,6 +322,12 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
         "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"]},
         "flag_errors": found["flag_errors"],
         "problems": found["problems"],
+        "deployment": None if found["deployment"] is None else {
+            **dataclasses.asdict(found["deployment"]), "attn_tp_size": found["deployment"].attn_tp_size,
+            "judged_from": found["judged"]},
+        "by_layout": {adapter: {name: {"topology": dataclasses.asdict(topology.REPRESENTATIVE[name]), "outcome": state,
+                                       "reason": reason} for name, (state, reason) in per_layout.items()}
+                      for adapter, per_layout in found["by_layout"].items()},
     }
 
 
@@ -308,10 +360,14 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
 
 # --- launch and the wrapper -------------------------------------------------------------------
 
-def check_and_apply() -> int:
-    """Decide and apply in this process (one line per adapter on stderr); the exit status
-    that stops the launch, or EXIT_OK."""
-    decision = runtime.apply_once(os.environ)
+def check_and_apply(command: list[str]) -> int:
+    """Decide and apply in this process (one line per adapter on stderr) for the deployment
+    `command` starts (its server arguments, read with the engine's own parser; every layout
+    when they cannot be read); the exit status that stops the launch, or EXIT_OK."""
+    deployment, judged = topology.from_command(command)
+    described = deployment.describe() if deployment is not None else "every layout"
+    print(f"{runtime.PREFIX} pid={os.getpid()} deployment: {described} ({judged})", file=sys.stderr, flush=True)
+    decision = runtime.apply_once(os.environ, deployment)
     error = decision.error()
     if error is None:
         return EXIT_OK
@@ -320,7 +376,7 @@ def check_and_apply() -> int:
 
 
 def launch(argv: list[str]) -> int:
-    status = check_and_apply()
+    status = check_and_apply(argv)
     if status:
         return status
     sys.argv = [SERVER_MODULE, *argv]
@@ -333,7 +389,7 @@ def wrap(command: list[str]) -> int:
     signals and exit status). What the adapters hand to the engine's switches is in the
     environment it inherits; every TP rank it starts applies the adapters through the
     engine's plugin loader."""
-    status = check_and_apply()
+    status = check_and_apply(command)
     if status:
         return status
     sys.stdout.flush()

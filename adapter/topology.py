@@ -71,7 +71,9 @@ def _int(value, default: int = 1) -> int:
 def from_server_args(args) -> Topology:
     """The topology of a ServerArgs (what a Scheduler receives) or of the namespace the
     engine's parser gives. The attention-DP width is `attn_dp_size` (0.5.22+) or, in the
-    older spelling every release takes, `dp_size` with `enable_dp_attention`."""
+    older spelling every release takes, `dp_size` with `enable_dp_attention`. A record the
+    engine has resolved (0.5.23: `resolve_once`) is read through its own resolved view."""
+    args = _resolved(args)
     tp = _int(getattr(args, "tp_size", 1))
     attn_dp = _int(getattr(args, "attn_dp_size", 1))
     if attn_dp == 1 and getattr(args, "enable_dp_attention", False):
@@ -79,6 +81,16 @@ def from_server_args(args) -> Topology:
     algorithm = getattr(args, "speculative_algorithm", None)
     return Topology(tp, attn_dp, _int(getattr(args, "attn_cp_size", 1)),
                     str(algorithm).upper() if algorithm else None)
+
+
+def _resolved(args):
+    if not getattr(args, "_resolution_finished", False):
+        return args
+    try:
+        from sglang.srt.arg_groups.overrides import resolving_view
+    except ImportError:  # a release without resolution: the record is what it says
+        return args
+    return resolving_view(args)
 
 
 def server_argv(command: list[str]) -> Optional[list[str]]:

@@ -4,6 +4,12 @@ For every flag combination it takes the decision the three deciders take (the la
 and each rank: runtime.apply_once's decide; doctor: entrypoint.report; doctor --engine:
 entrypoint.report on the same release read from its sources), in every order of
 ADAPTERS, applies the launch decision, and returns what each one said.
+
+`layouts` adds the deployment: for each server command in LAYOUTS and every flag
+combination, what doctor -- COMMAND, doctor --engine SOURCES -- COMMAND and the wrapper
+(the command read with the engine's own parser) decide, and what a rank decides from the
+real ServerArgs its Scheduler would receive (built by the engine's prepare_server_args
+from the same arguments, resolved where the release resolves them).
 """
 
 from __future__ import annotations
@@ -72,4 +78,67 @@ def table(rank, world_size, source_trees):
     for release, tree in source_trees:
         engine = SourceEngine(tree)
         out.setdefault(release, {})["sources"] = [verdicts(env, engine, False) for env in combos()]
+    return out
+
+
+# Server arguments of the layouts the table covers (the model is a local config file,
+# see `layouts`): TP only, and DP attention with attention-TP 1 and 2, in the spelling
+# every release takes; 0.5.23 also in its own (--attn-dp-size).
+LAYOUTS = {
+    "tp4": ["--tp-size", "4"],
+    "tp4-dp-attention-tp1": ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "4"],
+    "tp4-dp-attention-tp2": ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "2"],
+}
+LAYOUTS_0523 = {"tp4-attn-dp4": ["--tp-size", "4", "--attn-dp-size", "4"]}
+TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512}
+
+
+def rank_server_args(argv: list[str]):
+    """The ServerArgs a Scheduler receives for `argv`: built by the engine's own
+    prepare_server_args, then resolved as the launcher resolves it (0.5.23)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(argv)
+    if hasattr(server_args, "resolve_once"):
+        server_args.resolve_once()
+    return server_args
+
+
+def layouts(rank, world_size, model_dir, source_tree):
+    """{layout: {"command": {...}, "rank": {...}, "rows": [...]}}, one row per combination:
+    the outcomes each decider gives and whether doctor --strict / the launch refuse."""
+    import json
+    import pathlib
+
+    import entrypoint
+    from adapter import runtime, topology
+    from adapter.contract import InstalledEngine, engine_version
+    from adapter.source_engine import SourceEngine
+
+    pathlib.Path(model_dir, "config.json").write_text(json.dumps(TINY_CONFIG))
+    model = ["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"]
+    cases = dict(LAYOUTS, **(LAYOUTS_0523 if engine_version() == "0.5.23" else {}))
+    installed, sources = InstalledEngine(), SourceEngine(source_tree)
+    out = {}
+    for name, argv in cases.items():
+        command = ["python3", "-m", "sglang.launch_server", *model, *argv]
+        wrapper_topology, judged = topology.from_command(command)
+        rank_topology = topology.from_server_args(rank_server_args([*model, *argv]))
+        rows = []
+        for env in combos():
+            doctor = entrypoint.report(env, installed, wrapper_topology, judged)
+            from_sources = entrypoint.report(env, sources, wrapper_topology, judged)
+            launch = runtime.decide(env, installed, topology=wrapper_topology)
+            in_rank = runtime.decide(env, installed, topology=rank_topology)
+            rows.append({
+                "doctor": {r["adapter"]: r["state"] for r in doctor["adapters"]},
+                "sources": {r["adapter"]: r["state"] for r in from_sources["adapters"]},
+                "wrapper": _states(launch), "rank": _states(in_rank),
+                "doctor_failed": doctor["failed"], "launch_refused": launch.refused, "rank_refused": in_rank.refused,
+                "reasons": {o.adapter: o.reason for o in in_rank.outcomes},
+            })
+        out[name] = {"command": wrapper_topology and wrapper_topology.__dict__,
+                     "rank": rank_topology.__dict__, "rows": rows}
     return out

@@ -10,6 +10,12 @@ on 0.5.16 from its sources. For every combination:
 - every order of ADAPTERS gives the same outcomes;
 - what the launch applies comes only from adapters that are on, and only rank0_broadcast
   hands anything to the engine (0.5.19+), never when it is off.
+
+And with the deployment (agreement_cases.LAYOUTS: TP only, DP attention with attention-TP 1
+and 2, and 0.5.23's --attn-dp-size spelling), for every combination on 0.5.23 and 0.5.18:
+doctor -- COMMAND, doctor --engine SOURCES -- COMMAND, the wrapper (the command read with
+the engine's own parser) and a rank (the ServerArgs its Scheduler receives) give every
+adapter the same outcome, and doctor --strict fails exactly when the launch refuses.
 """
 
 from __future__ import annotations
@@ -40,6 +46,35 @@ def table():
     t18 = run_ranks(1, "tests.agreement_cases:table", release="0.5.18", timeout=600,
                     kwargs={"source_trees": [["0.5.18", str(ENGINE_PATHS["0.5.18"][0])]]})[0]
     return {**t23, **t18}
+
+
+@pytest.fixture(scope="module")
+def by_layout(tmp_path_factory):
+    model = str(tmp_path_factory.mktemp("model"))
+    t23 = run_ranks(1, "tests.agreement_cases:layouts", release="0.5.23", timeout=900,
+                    kwargs={"model_dir": model, "source_tree": SITE_PACKAGES})[0]
+    t18 = run_ranks(1, "tests.agreement_cases:layouts", release="0.5.18", timeout=900,
+                    kwargs={"model_dir": model, "source_tree": str(ENGINE_PATHS["0.5.18"][0])})[0]
+    return {"0.5.23": t23, "0.5.18": t18}
+
+
+@pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
+def test_every_decider_agrees_on_each_layout(by_layout, release):
+    layouts = by_layout[release]
+    assert sorted(layouts) == sorted(["tp4", "tp4-dp-attention-tp1", "tp4-dp-attention-tp2"]
+                                     + (["tp4-attn-dp4"] if release == "0.5.23" else []))
+    for name, layout in layouts.items():
+        # The wrapper's reading of the command is the rank's reading of its ServerArgs.
+        assert layout["command"] == layout["rank"], name
+        assert len(layout["rows"]) == len(combos())
+        for env, row in zip(combos(), layout["rows"]):
+            assert row["doctor"] == row["sources"] == row["wrapper"] == row["rank"], (name, env, row["reasons"])
+            assert row["launch_refused"] == row["rank_refused"] == row["doctor_failed"], (name, env, row["reasons"])
+
+
+def test_the_layouts_are_read_as_written(by_layout):
+    attn = {name: (layout["rank"]["tp_size"], layout["rank"]["attn_dp_size"]) for name, layout in by_layout["0.5.23"].items()}
+    assert attn == {"tp4": (4, 1), "tp4-dp-attention-tp1": (4, 4), "tp4-dp-attention-tp2": (4, 2), "tp4-attn-dp4": (4, 4)}
 
 
 def test_the_table_covers_every_combination_on_three_releases(table):

@@ -371,3 +371,52 @@ def test_a_conflict_names_the_sites_as_the_flags_write_them():
     reason = decision.outcomes[0].reason
     assert "SGLANG_SPEC_TP_SYNC: ='init' selects sites 1,12 but DSV41_SPEC_TP_SYNC='all' selects 1,7,8,9," in reason
     assert "[" not in reason and decision.flag_errors == []
+
+
+# --- the deployment: doctor -- COMMAND, the wrapper ---------------------------------------------
+
+SERVER = ["python3", "-m", "sglang.launch_server", "--model-path", "/models/m", "--tp-size", "4"]
+
+
+@pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
+@pytest.mark.parametrize("extra,attn_dp", [([], 1), (["--enable-dp-attention", "--dp-size", "4"], 4),
+                                           (["--enable-dp-attention", "--dp-size", "2"], 2)])
+def test_doctor_judges_the_commands_deployment_without_running_it(release, extra, attn_dp):
+    done = cli("doctor", "--json", "--", *SERVER, *extra, "--speculative-algorithm", "DSPARK", release=release)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert schema_errors(report, SCHEMA) == []
+    assert report["deployment"] == {"tp_size": 4, "attn_dp_size": attn_dp, "attn_cp_size": 1, "attn_tp_size": 4 // attn_dp,
+                                    "speculative_algorithm": "DSPARK",
+                                    "judged_from": "the command's server arguments, read with the engine's own parser"}
+    assert report["by_layout"] == {}  # one deployment judged: no per-layout rows
+    assert "[sglang-adapters]" not in done.stderr  # nothing applied, nothing started
+
+
+def test_doctor_without_a_command_says_the_outcomes_hold_for_every_layout():
+    done = cli("doctor")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "deployment: none given (doctor -- COMMAND judges one); the outcomes above hold for every layout" in done.stdout
+    report = json.loads(cli("doctor", "--json").stdout)
+    assert report["deployment"] is None and schema_errors(report, SCHEMA) == []
+
+
+@pytest.mark.parametrize("command,why", [
+    (["python3", "-c", "1"], "python3 does not start the engine's server"),
+    ([*SERVER, "--tp-size", "four"], "the engine's argument parser rejects the server arguments (argument --tp-size"),
+])
+def test_doctor_refuses_a_command_it_cannot_judge_with_64(command, why):
+    done = cli("doctor", "--", *command)
+    assert done.returncode == entrypoint.EXIT_USAGE
+    assert why in done.stderr and done.stdout == ""
+
+
+def test_the_wrapper_says_which_deployment_it_judged():
+    done = cli("--", "python3", "-c", "print('ran')", DSV41_FOLDED_FENCE="1")
+    assert done.returncode == 0 and done.stdout == "ran\n"
+    assert "deployment: every layout (python3 does not start the engine's server)" in done.stderr
+    parsed = subprocess.run(
+        [python(), "-c", "import entrypoint, sys; from adapter import runtime, topology; "
+         "print(topology.from_command(sys.argv[1:])[0].describe())", *SERVER, "--enable-dp-attention", "--dp-size", "4"],
+        cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=240)
+    assert parsed.stdout.strip() == "TP 4, DP attention 4 x attention-TP 1", parsed.stderr[-2000:]

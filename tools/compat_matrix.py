@@ -8,7 +8,9 @@ Releases: 0.5.16 and every later one the package registry offers when this runs
 downloaded once into .engines/wheels, its Python sources unpacked into
 .engines/src/<release>, and each adapter's contract checked on those sources with
 adapter.source_engine (nothing of the engine is imported or run). The result is
-what `entrypoint.py doctor` would report as the engine check on that release.
+what `entrypoint.py doctor` would report as the engine check on that release, for any
+deployment, and again for each representative layout (adapter.topology.REPRESENTATIVE: TP
+only, DP attention with attention-TP 1 and 2), where a verdict can depend on it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from adapter import ADAPTERS, load, runtime  # noqa: E402
+from adapter import ADAPTERS, load, runtime, topology  # noqa: E402
 from adapter.source_engine import SourceEngine, unpack_wheel  # noqa: E402
 
 FIRST = (0, 5, 16)
@@ -68,9 +70,14 @@ def source_tree(version: str) -> pathlib.Path:
     return unpack_wheel(release_wheel(version), tree)
 
 
-def outcomes(version: str) -> dict[str, tuple[str, str]]:
+LAYOUTS = {"any": None, **topology.REPRESENTATIVE}
+
+
+def outcomes(version: str) -> dict[str, dict[str, tuple[str, str]]]:
+    """layout ("any": the deployment not known) -> adapter -> (outcome, reason)."""
     engine = SourceEngine(source_tree(version), version=version)
-    return {name: runtime.engine_check(load(name), engine) for name in ADAPTERS}
+    return {layout: {name: runtime.engine_check(load(name), engine, deployment) for name in ADAPTERS}
+            for layout, deployment in LAYOUTS.items()}
 
 
 def _with(adapter) -> str:
@@ -79,7 +86,7 @@ def _with(adapter) -> str:
     return "".join(f" with `{load(name).FLAG}={value}`" for name, value in found.items())
 
 
-def render(matrix: dict[str, dict[str, tuple[str, str]]]) -> str:
+def render(matrix: dict[str, dict[str, dict[str, tuple[str, str]]]]) -> str:
     lines = [
         "# Compatibility matrix",
         "",
@@ -91,17 +98,30 @@ def render(matrix: dict[str, dict[str, tuple[str, str]]]) -> str:
         "`entrypoint.py doctor` reports as the engine check, i.e. the outcome with the flag at its broadest setting ("
         + ", ".join(f"`{load(name).FLAG}={load(name).CHECK_VALUE}`" + _with(load(name)) for name in ADAPTERS) + ").",
         "",
+        "The first table holds for any deployment (what `doctor` says when it is given no command); the second",
+        "gives the verdict for each representative layout (`doctor -- COMMAND` judges the command's own).",
+        "",
         "| release | " + " | ".join(f"`{name}` (`{load(name).FLAG}`)" for name in ADAPTERS) + " |",
         "|---|" + "---|" * len(ADAPTERS),
     ]
-    for version, row in matrix.items():
-        lines.append(f"| {version} | " + " | ".join(row[name][0] for name in ADAPTERS) + " |")
-    lines += ["", "## Reasons", ""]
+    for version, layouts in matrix.items():
+        lines.append(f"| {version} | " + " | ".join(layouts["any"][name][0] for name in ADAPTERS) + " |")
+    lines += ["", "## By deployment", "",
+              "Layouts: " + "; ".join(f"`{key}`: {layout.describe()}" for key, layout in topology.REPRESENTATIVE.items())
+              + ". A cell shows the outcome on each layout in that order.", "",
+              "| release | " + " | ".join(f"`{name}`" for name in ADAPTERS) + " |", "|---|" + "---|" * len(ADAPTERS)]
+    for version, layouts in matrix.items():
+        cells = [" / ".join(layouts[key][name][0] for key in topology.REPRESENTATIVE) for name in ADAPTERS]
+        lines.append(f"| {version} | " + " | ".join(cells) + " |")
+    lines += ["", "## Reasons", "", "For any deployment, then for each layout whose reason differs from it.", ""]
     for name in ADAPTERS:
         lines.append(f"### {name}")
         lines.append("")
-        for version, row in matrix.items():
-            lines.append(f"- {version}: {row[name][0]} - {row[name][1]}")
+        for version, layouts in matrix.items():
+            lines.append(f"- {version}: {layouts['any'][name][0]} - {layouts['any'][name][1]}")
+            for key in topology.REPRESENTATIVE:
+                if layouts[key][name] != layouts["any"][name]:
+                    lines.append(f"  - `{key}`: {layouts[key][name][0]} - {layouts[key][name][1]}")
         lines.append("")
     lines += [
         "## How the checks are made",

@@ -28,7 +28,13 @@ COLUMNS = (("applied", "patches the engine"), ("superseded", "superseded: the en
 
 def matrix(text: str) -> tuple[list[str], list[tuple[str, list[str]]]]:
     """The flags (column order) and (release, [outcome per flag]) rows of the matrix's table."""
-    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    lines = []
+    for line in text.splitlines():  # the first table only: the matrix for any deployment
+        if line.startswith("|"):
+            lines.append(line)
+        elif lines:
+            break
+    lines = [line for line in lines if line.startswith("| ")]
     flags = re.findall(r"\(`(DSV41_\w+)`\)", lines[0])
     rows = [(cells[0], cells[1:]) for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])
             if re.fullmatch(r"\d+\.\d+\.\d+", cells[0])]
