@@ -365,9 +365,7 @@ def check_and_apply(command: list[str]) -> int:
     `command` starts (its server arguments, read with the engine's own parser; every layout
     when they cannot be read); the exit status that stops the launch, or EXIT_OK."""
     deployment, judged = topology.from_command(command)
-    described = deployment.describe() if deployment is not None else "every layout"
-    print(f"{runtime.PREFIX} pid={os.getpid()} deployment: {described} ({judged})", file=sys.stderr, flush=True)
-    decision = runtime.apply_once(os.environ, deployment)
+    decision = runtime.apply_once(os.environ, deployment, judged)
     error = decision.error()
     if error is None:
         return EXIT_OK

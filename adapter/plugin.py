@@ -30,8 +30,11 @@ def register() -> None:
 def _apply_before_init(wrapped, instance, args, kwargs):
     # Scheduler(server_args, ...) in every release: the rank judges its own deployment.
     server_args = args[0] if args else kwargs.get("server_args")
-    deployment = topology.from_server_args(server_args) if server_args is not None else None
-    error = runtime.apply_once(os.environ, deployment).error()
+    if server_args is not None:
+        deployment, judged = topology.from_server_args(server_args), "this rank's server_args"
+    else:
+        deployment, judged = None, "no server_args reached the Scheduler: every layout"
+    error = runtime.apply_once(os.environ, deployment, judged).error()
     if error is not None:
         raise error
     return wrapped(*args, **kwargs)

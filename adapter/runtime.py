@@ -103,6 +103,7 @@ class Decision:
     settings: dict[str, object] = field(default_factory=dict)
     switched_off: bool = False  # DSV41_ADAPTERS=off
     topology: Optional[Topology] = None  # the deployment judged for; None: every topology
+    judged: str = ""  # where the deployment was read (a rank's server_args, a command), or why it is not known
 
     def lines(self, form: str = "text") -> list[str]:
         """What a process that took this decision prints: one line per adapter, or one
@@ -112,7 +113,15 @@ class Decision:
             if form == "json":
                 return [_json_line(flag=MASTER, value=MASTER_OFF, outcome=OFF, reason=reason, engine=self.engine)]
             return [_text_line(MASTER, MASTER_OFF, OFF, reason, self.engine)]
-        return [o.line(form, machine_note(o.adapter) if o.state == APPLIED else "") for o in self.outcomes]
+        head = [self.deployment_line(form)] if self.judged else []
+        return head + [o.line(form, machine_note(o.adapter) if o.state == APPLIED else "") for o in self.outcomes]
+
+    def deployment_line(self, form: str = "text") -> str:
+        """Which deployment this process judged, and where it was read from."""
+        described = self.topology.describe() if self.topology is not None else "every layout"
+        if form == "json":
+            return _json_line(deployment=described, judged_from=self.judged, engine=self.engine)
+        return f"{PREFIX} pid={os.getpid()} deployment: {described} ({self.judged})"
 
     @property
     def reasons(self) -> list[str]:
@@ -162,16 +171,18 @@ def _check(adapter, engine, setting, context: Context) -> tuple[str, str, Option
     return plan.state, plan.detail, plan
 
 
-def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS, topology: Optional[Topology] = None) -> Decision:
+def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS, topology: Optional[Topology] = None,
+           judged: str = "") -> Decision:
     """Every adapter's outcome for `environ` on `engine` (the installed one by default), for
-    the deployment `topology` (None: not known, judged for every topology). Pure: nothing
-    is patched and nothing is written into the environment."""
+    the deployment `topology` (None: not known, judged for every topology; `judged`: where it
+    was read, for the process's lines). Pure: nothing is patched and nothing is written into
+    the environment."""
     engine = engine or InstalledEngine()
     adapters = {name: load(name) for name in names}
     if switched_off(environ):
         reason = f"{MASTER}=off: the whole pack is off"
         outcomes = [Outcome(n, a.FLAG, environ.get(a.FLAG), OFF, reason, engine.version) for n, a in adapters.items()]
-        return Decision(engine.version, outcomes, {}, switched_off=True, topology=topology)
+        return Decision(engine.version, outcomes, {}, switched_off=True, topology=topology, judged=judged)
     settings, flag_errors = {}, {}
     for name, adapter in adapters.items():
         try:
@@ -194,7 +205,8 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS, topology: Op
         outcomes[name] = Outcome(name, adapter.FLAG, environ.get(adapter.FLAG), state, reason, engine.version)
     flag_problems = unknown_flags(environ) + switch_problems(environ)
     decision = Decision(engine.version, [outcomes[n] for n in names], plans, flag_problems,
-                        flag_errors=list(flag_errors.values()) + flag_problems, settings=settings, topology=topology)
+                        flag_errors=list(flag_errors.values()) + flag_problems, settings=settings, topology=topology,
+                        judged=judged)
     if decision.enabled:
         decision.problems += delivery_problems(environ, engine)  # ranks that skip the plugin would not apply it
     return decision
@@ -242,7 +254,8 @@ def revert() -> None:
 _applied: Optional[Decision] = None
 
 
-def apply_once(environ: Mapping[str, str] = os.environ, topology: Optional[Topology] = None) -> Decision:
+def apply_once(environ: Mapping[str, str] = os.environ, topology: Optional[Topology] = None,
+               judged: str = "") -> Decision:
     """Decide and apply once per process (launcher, each rank) for the deployment's
     `topology` (each rank's from its server_args); one line per adapter.
     A refused decision is printed and returned unapplied: the caller stops the engine.
@@ -250,7 +263,7 @@ def apply_once(environ: Mapping[str, str] = os.environ, topology: Optional[Topol
     refuses it too (adapter.audit)."""
     global _applied
     if _applied is None:
-        _applied = decide(environ, topology=topology)
+        _applied = decide(environ, topology=topology, judged=judged)
         if not _applied.refused:
             apply(_applied)
             _applied.problems += audit.problems(patching.applied(), _applied.engine)

@@ -103,7 +103,7 @@ def test_the_wrapper_passes_the_commands_status_through_and_execs_it():
     done = cli("python", "-c", "import os; print(os.getpid()); raise SystemExit(7)", DSV41_FOLDED_FENCE="1")
     assert done.returncode == 7, done.stderr[-3000:]
     lines = pack_lines(done.stderr)
-    assert [line.split()[2] for line in lines] == list(ADAPTERS)
+    assert [line.split()[2] for line in lines] == ["deployment:", *ADAPTERS]
     # exec: the command runs as the very process that checked and applied (same pid).
     assert all(line.startswith(f"[sglang-adapters] pid={done.stdout.strip()} ") for line in lines), lines
     assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED" in done.stderr
@@ -299,8 +299,9 @@ def test_json_lines_for_log_pipelines():
     done = cli("python", "-c", "pass", DSV41_ADAPTERS_LOG="json", DSV41_FOLDED_FENCE="1")
     assert done.returncode == 0, done.stderr[-3000:]
     objects = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"pack":"sglang-adapters"')]
-    assert [o["adapter"] for o in objects] == list(ADAPTERS)
-    fence = objects[0]
+    assert [o.get("adapter", "deployment") for o in objects] == ["deployment", *ADAPTERS]
+    assert objects[0]["deployment"] == "every layout" and "does not start the engine's server" in objects[0]["judged_from"]
+    fence = objects[1]
     assert (fence["flag"], fence["value"], fence["outcome"], fence["engine"]) == ("DSV41_FOLDED_FENCE", "1", "applied", "0.5.23")
     assert "DSparkWorkerV2._block_accept_lens" in fence["reason"]  # the whole reason, not the shortened one
 
