@@ -197,7 +197,8 @@ def doctor(opts) -> int:
             ranks = "; ".join(found["delivery_problems"]) + " (every adapter is off: nothing is lost, the launch goes on)"
         else:
             ranks = None
-        emit(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"])
+        emit(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"],
+                          entry_point=found["entry_point"])
              + f"\nverdict: {verdict(found)} (doctor --strict exits {status})")
     return status if opts.strict else EXIT_OK
 
@@ -225,13 +226,14 @@ def report(environ, engine) -> dict:
         rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1],
                      "setting": decision.settings.get(outcome.adapter), "machine": runtime.machine_note(outcome.adapter) or None})
     delivery_problems = runtime.delivery_problems(environ, engine)
+    plugins = delivery.discovery_module(engine)
     return {
         "engine": decision.engine, "adapters": rows, "enabled": decision.enabled, "problems": decision.problems,
         "delivery_problems": delivery_problems,
         # A release read from source: its ranks' plugin discovery is judged with the installed
         # loader where that is the same code (adapter.delivery), else it is not checked.
-        "ranks_checked": (isinstance(engine, InstalledEngine) or bool(delivery_problems)
-                          or delivery.discovery_module(engine) is not None),
+        "ranks_checked": isinstance(engine, InstalledEngine) or bool(delivery_problems) or plugins is not None,
+        "entry_point": delivery.pack_entry_point(environ, plugins) if plugins is not None else None,
         "unknown_flags": runtime.unknown_flags(environ),
         "flag_errors": decision.flag_errors, "switched_off": decision.switched_off,
         "failed": decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows),
@@ -260,6 +262,7 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
         spec = importlib.util.find_spec("sglang")
         engine = {"version": found["engine"], "source": "installed",
                   "path": os.path.dirname(spec.origin) if spec and spec.origin else None}
+    entry = found["entry_point"]
     return {
         "schema_version": SCHEMA_VERSION,
         "pack": {"name": DIST, "version": pack_version()},
@@ -273,14 +276,15 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
             "engine_check": {"outcome": r["engine_check"], "reason": r["engine_check_reason"]},
             "machine": r["machine"],
         } for r in found["adapters"]],
-        "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"]},
+        "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"],
+                  "entry_point": entry and {"name": entry.name, "value": entry.value, "distribution": entry.dist}},
         "flag_errors": found["flag_errors"],
         "problems": found["problems"],
     }
 
 
 def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str | None = None,
-                 unknown: list[str] = ()) -> str:
+                 unknown: list[str] = (), *, entry_point=None) -> str:
     header = ("adapter", "flag", "value", "outcome", "engine check")
     table = [header] + [
         (r["adapter"], r["flag"], "<unset>" if r["value"] is None else repr(r["value"]), r["state"], r["engine_check"])
@@ -299,7 +303,8 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
             lines.append(f"  this machine: {r['machine']}")
     lines.append("")
     if ranks is None:
-        ranks = "; ".join(delivery) if delivery else "every TP rank loads the pack through the engine's plugin loader"
+        ranks = "; ".join(delivery) if delivery else (
+            "every TP rank loads the pack through the engine's plugin loader" + (f": {entry_point}" if entry_point else ""))
     lines.append("ranks: " + ranks)
     for problem in unknown:
         lines.append("flags: " + problem)
