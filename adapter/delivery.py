@@ -4,7 +4,10 @@ Two things must hold. The engine's plugin discovery, run under the environment t
 ranks will have, selects the pack's entry point: this runs the installed engine's own
 `load_plugins` (its SGLANG_PLUGINS / SGLANG_PLATFORM parsing and filtering, not a copy
 of it) against a namespace in which listed entry points are recorded instead of loaded
-and nothing is executed or hooked. And `run_scheduler_process` still calls that loader
+and nothing is executed or hooked; what it would run is recorded by name, value and
+distribution. The loader keeps one entry point per name (the last it loads), so another
+distribution registering the pack's name decides by the order of sys.path which one the
+ranks run: refused, in either order. And `run_scheduler_process` still calls that loader
 before it builds the Scheduler (a source contract, read the same way for installed
 engines and engines read from source).
 
