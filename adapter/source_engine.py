@@ -316,9 +316,10 @@ def _version_in(path: pathlib.Path) -> Optional[str]:
 
 
 def _small_text(path: pathlib.Path) -> Optional[str]:
-    """A regular file's text within MEMBER_LIMIT, else None (a FIFO would hang the reader)."""
+    """A regular file's text (a link to one counts) within MEMBER_LIMIT, else None (a FIFO
+    would hang the reader)."""
     try:
-        mode = os.lstat(path)
+        mode = os.stat(path)
     except OSError:
         return None
     if not stat.S_ISREG(mode.st_mode) or mode.st_size > MEMBER_LIMIT:

@@ -54,6 +54,16 @@ def test_only_metadata_that_lists_this_tree_labels_it(tmp_path):
     assert read_label(root) == Label("0.5.21", "sglang-0.5.21.dist-info")
 
 
+def test_metadata_that_is_no_regular_file_is_not_read(tmp_path):
+    """A FIFO named RECORD (doctor --engine reads untrusted trees) would hang a reader."""
+    import os
+
+    root = tree_without_version_file(tmp_path / "checkout")
+    (root / "sglang-0.5.21.dist-info").mkdir()
+    os.mkfifo(root / "sglang-0.5.21.dist-info" / "RECORD")
+    assert read_label(root) == Label("0.0.0.dev0", "sglang/version.py")
+
+
 def test_the_installed_label_never_comes_from_importlib_metadata(monkeypatch):
     """importlib.metadata answers for whichever installation it finds first; the label comes
     from the tree that is imported."""
