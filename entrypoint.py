@@ -25,7 +25,7 @@ import textwrap
 
 from adapter import ADAPTERS, delivery, load, runtime, topology
 from adapter.contract import InstalledEngine, engine_version
-from adapter.source_engine import open_engine
+from adapter.source_engine import UNRELEASED, open_engine
 
 SERVER_MODULE = "sglang.launch_server"
 DIST = "sglang-dsv41-adapters"
@@ -212,7 +212,8 @@ def doctor(opts) -> int:
             ranks = "; ".join(found["delivery_problems"]) + " (every adapter is off: nothing is lost, the launch goes on)"
         else:
             ranks = None
-        emit(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"])
+        emit(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"],
+                          provenance=found["provenance"], entry_point=found["entry_point"])
              + render_deployment(found) + f"\nverdict: {verdict(found)} (doctor --strict exits {status})")
     return status if opts.strict else EXIT_OK
 
@@ -242,16 +243,19 @@ def report(environ, engine, deployment=None, judged: str = "") -> dict:
         rows.append({**outcome.as_dict(), "summary": adapter.SUMMARY, "engine_check": check[0], "engine_check_reason": check[1],
                      "setting": decision.settings.get(outcome.adapter), "machine": runtime.machine_note(outcome.adapter) or None})
     delivery_problems = runtime.delivery_problems(environ, engine)
+    plugins = delivery.discovery_module(engine)
     return {
-        "engine": decision.engine, "adapters": rows, "enabled": decision.enabled, "problems": decision.problems,
-        "delivery_problems": delivery_problems,
+        "engine": decision.engine, "provenance": engine_provenance(engine), "adapters": rows, "enabled": decision.enabled,
+        "problems": decision.problems, "delivery_problems": delivery_problems,
         # A release read from source: its ranks' plugin discovery is judged with the installed
         # loader where that is the same code (adapter.delivery), else it is not checked.
-        "ranks_checked": (isinstance(engine, InstalledEngine) or bool(delivery_problems)
-                          or delivery.discovery_module(engine) is not None),
+        "ranks_checked": isinstance(engine, InstalledEngine) or bool(delivery_problems) or plugins is not None,
+        "entry_point": delivery.pack_entry_point(environ, plugins) if plugins is not None else None,
         "unknown_flags": runtime.unknown_flags(environ),
         "flag_errors": decision.flag_errors, "switched_off": decision.switched_off,
-        "failed": decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows),
+        # An installation whose ranks cannot load the pack fails the build even with every flag off.
+        "failed": (decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows)
+                   or (isinstance(engine, InstalledEngine) and delivery.installation_broken())),
         "deployment": deployment, "judged": judged,
         "by_layout": {} if deployment is not None else by_layout(environ, engine),
     }
@@ -284,6 +288,27 @@ def render_deployment(found: dict) -> str:
     return "\n".join(lines)
 
 
+def engine_provenance(engine) -> dict:
+    """Where the engine came from and where its version label was read (under what the
+    user named: the installed folder, a folder, a wheel). Verdicts never read the label."""
+    label, origin = engine.label, engine.origin
+    if label.source is None or origin is None:
+        source = None
+    else:
+        source = str(origin / label.source) if origin.is_dir() else f"{label.source} in {origin}"
+    location = origin / "sglang" if isinstance(engine, InstalledEngine) and origin is not None else origin
+    return {"location": str(location), "version_source": source, "released": label.released, "judged_by": "code"}
+
+
+def engine_header(version: str, provenance: dict) -> list[str]:
+    """doctor's first lines: the engine's label, and that it is only a label."""
+    unreleased = "" if provenance["released"] else f": {UNRELEASED}"
+    source = provenance["version_source"]
+    label = f"label {version} from {source}" if source else f"label {version}, found in no file of the engine"
+    return [f"sglang {version}{unreleased}",
+            f"engine at {provenance['location']}; {label}; verdicts are judged by the engine's code, not by its label"]
+
+
 def verdict(found: dict) -> str:
     return "flag-error" if found["flag_errors"] else "refused" if found["failed"] else "ok"
 
@@ -306,6 +331,8 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
         spec = importlib.util.find_spec("sglang")
         engine = {"version": found["engine"], "source": "installed",
                   "path": os.path.dirname(spec.origin) if spec and spec.origin else None}
+    engine.update({k: found["provenance"][k] for k in ("version_source", "released", "judged_by")})
+    entry = found["entry_point"]
     return {
         "schema_version": SCHEMA_VERSION,
         "pack": {"name": DIST, "version": pack_version()},
@@ -319,7 +346,8 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
             "engine_check": {"outcome": r["engine_check"], "reason": r["engine_check_reason"]},
             "machine": r["machine"],
         } for r in found["adapters"]],
-        "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"]},
+        "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"],
+                  "entry_point": entry and {"name": entry.name, "value": entry.value, "distribution": entry.dist}},
         "flag_errors": found["flag_errors"],
         "problems": found["problems"],
         "deployment": None if found["deployment"] is None else {
@@ -332,14 +360,14 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
 
 
 def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str | None = None,
-                 unknown: list[str] = ()) -> str:
+                 unknown: list[str] = (), *, provenance: dict | None = None, entry_point=None) -> str:
     header = ("adapter", "flag", "value", "outcome", "engine check")
     table = [header] + [
         (r["adapter"], r["flag"], "<unset>" if r["value"] is None else repr(r["value"]), r["state"], r["engine_check"])
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = [f"sglang {version}", ""]
+    lines = [*(engine_header(version, provenance) if provenance else [f"sglang {version}"]), ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.append("")
     for r in rows:
@@ -351,7 +379,8 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
             lines.append(f"  this machine: {r['machine']}")
     lines.append("")
     if ranks is None:
-        ranks = "; ".join(delivery) if delivery else "every TP rank loads the pack through the engine's plugin loader"
+        ranks = "; ".join(delivery) if delivery else (
+            "every TP rank loads the pack through the engine's plugin loader" + (f": {entry_point}" if entry_point else ""))
     lines.append("ranks: " + ranks)
     for problem in unknown:
         lines.append("flags: " + problem)

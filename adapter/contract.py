@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.metadata
 import importlib.util
 import inspect
 import pathlib
@@ -22,23 +21,30 @@ POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 
 
-def engine_version() -> str:
-    """The installed engine's release, without importing sglang (its import has side
-    effects): from its distribution metadata, else (a source checkout on PYTHONPATH)
-    from the package's own version file."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        pass
+def installed_package() -> Optional[pathlib.Path]:
+    """The sglang/ folder this interpreter imports (found, not imported), or None."""
     try:
         spec = importlib.util.find_spec("sglang")
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        return "not installed"
-    from .source_engine import read_version
+        return None
+    return pathlib.Path(spec.submodule_search_locations[0])
 
-    return read_version(pathlib.Path(spec.submodule_search_locations[0]).parent)
+
+def installed_label():
+    """The installed engine's version label, read from the tree that is imported (its own
+    version file or the dist-info that lists its files), never from whichever installation
+    importlib.metadata finds first; without importing sglang (its import has side effects)."""
+    from .source_engine import Label, read_label
+
+    package = installed_package()
+    return Label("not installed", None) if package is None else read_label(package.parent)
+
+
+def engine_version() -> str:
+    """The installed engine's release, as its label says (a label, not a verdict's input)."""
+    return installed_label().version
 
 
 # A module read from a source tree (adapter.source_engine) carries its SourceEngine as
@@ -63,8 +69,18 @@ class InstalledEngine:
     """The engine this interpreter imports: its modules are imported for real."""
 
     @property
+    def label(self):
+        return installed_label()
+
+    @property
     def version(self) -> str:
-        return engine_version()
+        return self.label.version
+
+    @property
+    def origin(self) -> Optional[pathlib.Path]:
+        """The folder that holds the imported sglang/ (site-packages, a --target folder)."""
+        package = installed_package()
+        return package.parent if package is not None else None
 
     def module(self, name: str):
         """The module, or None when this release does not have it."""
@@ -74,8 +90,7 @@ class InstalledEngine:
         """Module name -> path of every .py file of the installed sglang package."""
         from .census import python_files
 
-        spec = importlib.util.find_spec("sglang")
-        return python_files(pathlib.Path(spec.submodule_search_locations[0]).parent)
+        return python_files(installed_package().parent)
 
 
 def sibling(module, name: str):

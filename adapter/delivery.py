@@ -4,7 +4,10 @@ Two things must hold. The engine's plugin discovery, run under the environment t
 ranks will have, selects the pack's entry point: this runs the installed engine's own
 `load_plugins` (its SGLANG_PLUGINS / SGLANG_PLATFORM parsing and filtering, not a copy
 of it) against a namespace in which listed entry points are recorded instead of loaded
-and nothing is executed or hooked. And `run_scheduler_process` still calls that loader
+and nothing is executed or hooked; what it would run is recorded by name, value and
+distribution. The loader keeps one entry point per name (the last it loads), so another
+distribution registering the pack's name decides by the order of sys.path which one the
+ranks run: refused, in either order. And `run_scheduler_process` still calls that loader
 before it builds the Scheduler (a source contract, read the same way for installed
 engines and engines read from source).
 
@@ -27,7 +30,7 @@ import os
 import textwrap
 import types
 from collections.abc import Mapping
-from typing import Optional
+from typing import NamedTuple, Optional
 
 PLUGINS = "sglang.srt.plugins"
 SCHEDULER = "sglang.srt.managers.scheduler"
@@ -40,17 +43,36 @@ _quiet = logging.getLogger("adapter.delivery.discovery")
 _quiet.disabled = True  # the engine's discovery logs "Loaded plugin ..." for every entry point
 
 
-class _Listed:
-    """An entry point as the engine's discovery sees it; `load()` records that the engine
-    chose it and hands back a callable that does nothing."""
+class Chosen(NamedTuple):
+    """An entry point the engine's loader would run: its name, its value and the
+    distribution that registers it (name, version, where)."""
 
-    def __init__(self, ep: importlib.metadata.EntryPoint, chosen: list[str]):
+    name: str
+    value: str
+    dist: str
+
+    def __str__(self) -> str:
+        return f"{self.name} = {self.value} from {self.dist}"
+
+
+def _dist(ep) -> str:
+    dist = ep.dist
+    if dist is None:
+        return "no distribution"
+    return f"{dist.name} {dist.version} ({dist.locate_file('')})"
+
+
+class _Listed:
+    """An entry point as the engine's discovery sees it; `load()` hands back a callable
+    that, when the engine runs it, records the entry point instead of doing anything."""
+
+    def __init__(self, ep: importlib.metadata.EntryPoint, ran: list[Chosen]):
         self.name, self.value, self.group, self.dist = ep.name, ep.value, ep.group, ep.dist
-        self._chosen = chosen
+        self._ran = ran
 
     def load(self):
-        self._chosen.append(self.name)
-        return lambda: None
+        chosen = Chosen(self.name, self.value, _dist(self))
+        return lambda: self._ran.append(chosen)
 
 
 class _NoHooks:
@@ -83,16 +105,17 @@ def _copy_into_environ(keys, values: Mapping[str, str]) -> None:
             os.environ.pop(key, None)
 
 
-def chosen_plugins(environ: Mapping[str, str], plugins=None) -> list[str]:
-    """Names of the general plugins the installed engine's `load_plugins()` would run in a
-    process with `environ`: its own functions, rebound to a namespace where discovery
-    lists instead of loads, with a fresh idempotence guard and no hook application."""
+def chosen_plugins(environ: Mapping[str, str], plugins=None) -> list[Chosen]:
+    """The general plugins the installed engine's `load_plugins()` would run in a process
+    with `environ`, in its order: its own functions, rebound to a namespace where discovery
+    lists instead of loads, with a fresh idempotence guard and no hook application. Of
+    several entry points with one name, the engine keeps one (the last it loads)."""
     if plugins is None:
         plugins = importlib.import_module(PLUGINS)
-    chosen: list[str] = []
+    ran: list[Chosen] = []
     namespace = dict(vars(plugins))
     namespace.update(
-        entry_points=lambda **kw: [_Listed(ep, chosen) for ep in importlib.metadata.entry_points(**kw)],
+        entry_points=lambda **kw: [_Listed(ep, ran) for ep in importlib.metadata.entry_points(**kw)],
         HookRegistry=_NoHooks, logger=_quiet, _plugins_loaded=False,
     )
     for name, value in vars(plugins).items():
@@ -102,7 +125,7 @@ def chosen_plugins(environ: Mapping[str, str], plugins=None) -> list[str]:
             namespace[name] = rebound
     with _presented(environ):
         namespace[LOADER]()
-    return chosen
+    return ran
 
 
 def discovery_module(engine):
@@ -126,11 +149,37 @@ def discovery_module(engine):
     return importlib.import_module(PLUGINS)
 
 
+def _pack_name(registered) -> Optional[str]:
+    """The name the pack's plugin is registered under (dsv41_adapters), if it is."""
+    return next((ep.name for ep in registered if ep.value == TARGET), None)
+
+
+def pack_entry_point(environ: Mapping[str, str], plugins=None) -> Optional[Chosen]:
+    """What the engine's loader would run under the pack's name in a process with
+    `environ`: the pack's entry point, another distribution's, or nothing."""
+    name = _pack_name(importlib.metadata.entry_points(group=GROUP))
+    try:
+        return next((c for c in chosen_plugins(environ, plugins) if c.name == name), None)
+    except Exception:  # discovery that cannot run shows nothing; discovery_problems says why
+        return None
+
+
+def installation_broken() -> bool:
+    """The pack's installation fails its ranks whatever the environment: its entry point is
+    not registered, or another distribution registers the same name. doctor --strict fails
+    on it with every flag off too, so that docker build catches it (the reason is among
+    discovery_problems)."""
+    registered = list(importlib.metadata.entry_points(group=GROUP))
+    name = _pack_name(registered)
+    return name is None or sum(ep.name == name for ep in registered) > 1
+
+
 def discovery_problems(environ: Mapping[str, str], plugins=None) -> list[str]:
     """Why ranks would not run the pack's plugin under `environ`, if they would not, judged
     by `plugins` (the installed engine's loader by default)."""
-    ours = [ep for ep in importlib.metadata.entry_points(group=GROUP) if ep.value == TARGET]
-    if not ours:
+    registered = list(importlib.metadata.entry_points(group=GROUP))
+    name = _pack_name(registered)
+    if name is None:
         return [
             f"the pack's plugin ({TARGET}) is not registered in entry-point group "
             f"{GROUP}: install the pack with pip so that every TP rank loads it"
@@ -140,16 +189,35 @@ def discovery_problems(environ: Mapping[str, str], plugins=None) -> list[str]:
     except Exception as exc:  # discovery that cannot run proves nothing: fail closed
         return [f"the engine's plugin discovery ({PLUGINS}.{LOADER}) could not be run to show that ranks load the pack: "
                 f"{type(exc).__name__}: {exc}"]
-    name = ours[0].name
-    if name in chosen:
-        return []
-    runs = ", ".join(sorted(chosen)) or "no plugin at all"
+    runs = next((c for c in chosen if c.name == name), None)
+    same_name = [ep for ep in registered if ep.name == name]
+    problems = [_shadowed(same_name, runs)] if len(same_name) > 1 else []
+    if runs is not None:
+        return problems
+    runs = ", ".join(sorted(c.name for c in chosen)) or "no plugin at all"
     setting = ", ".join(f"{k}={environ[k]!r}" for k in ("SGLANG_PLUGINS", "SGLANG_PLATFORM") if k in environ)
     if "SGLANG_PLUGINS" in environ:
-        return [f"{setting} does not list the pack's plugin '{name}', so ranks would skip it (the engine's "
-                f"{PLUGINS}.{LOADER} would run {runs}); list '{name}' in SGLANG_PLUGINS or unset it"]
-    return [f"the engine's {PLUGINS}.{LOADER} would skip the pack's plugin '{name}' in the ranks"
-            f"{' under ' + setting if setting else ''} (it would run {runs})"]
+        return problems + [f"{setting} does not list the pack's plugin '{name}', so ranks would skip it (the engine's "
+                           f"{PLUGINS}.{LOADER} would run {runs}); list '{name}' in SGLANG_PLUGINS or unset it"]
+    return problems + [f"the engine's {PLUGINS}.{LOADER} would skip the pack's plugin '{name}' in the ranks"
+                       f"{' under ' + setting if setting else ''} (it would run {runs})"]
+
+
+def _shadowed(same_name: list, runs: Optional[Chosen]) -> str:
+    """Several distributions register the pack's entry-point name. The engine loads every
+    one of them (importing its module) and runs one per name, the last it loaded: which
+    one is a matter of the order of sys.path, never a given."""
+    name = same_name[0].name
+    listed = "; ".join(str(Chosen(ep.name, ep.value, _dist(ep))) for ep in same_name)
+    if runs is None:
+        outcome = "which one ranks run depends on the order of sys.path"
+    elif runs.value == TARGET:
+        outcome = "ranks run the pack's only because its distribution is found last on sys.path"
+    else:
+        outcome = f"ranks would run {runs.value} from {runs.dist} instead of the pack's {TARGET}"
+    return (f"entry point '{name}' in group {GROUP} is registered by {len(same_name)} distributions ({listed}); "
+            f"the engine's {PLUGINS}.{LOADER} imports them all and keeps one per name: {outcome}; uninstall the "
+            f"other distribution or have it register another name")
 
 
 def loader_problems(engine) -> list[str]:

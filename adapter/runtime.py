@@ -24,6 +24,7 @@ from typing import Optional
 from . import ADAPTERS, audit, delivery, load, patching
 from .contract import InstalledEngine, Plan, Refused
 from .flags import FlagError, resembles
+from .source_engine import UNRELEASED, released
 from .topology import Topology
 
 PREFIX = "[sglang-adapters]"
@@ -301,7 +302,7 @@ def _text_line(subject: str, value, state: str, reason: str, engine: str) -> str
     else:
         shown = repr(value if len(value) <= _VALUE_LIMIT else value[:_VALUE_LIMIT - 3] + "...")
     head = f"{PREFIX} pid={os.getpid()} {subject}={shown}: {state.upper()} - "
-    tail = f" (sglang {engine})"
+    tail = f" (sglang {engine})" if released(engine) else f" (sglang {engine}: {UNRELEASED})"
     room = LINE_LIMIT - len(head) - len(tail)
     if len(reason) > room:
         reason = reason[:max(room - len(_MORE), 0)].rstrip() + _MORE

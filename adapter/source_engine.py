@@ -28,7 +28,7 @@ import stat
 import types
 import zipfile
 import zlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 # sglang 0.5.16-0.5.23: the largest .py file is 444 KB (0.5.18 server_args.py), all .py
 # files of 0.5.23 together 68 MB (growing about 8% a release); the limits leave 9x and
@@ -187,12 +187,16 @@ class SourceModule(types.ModuleType):
 class SourceEngine:
     """The modules of one engine release, read from `root` (which holds `sglang/`)."""
 
-    def __init__(self, root, version: Optional[str] = None):
+    def __init__(self, root, version: Optional[str] = None, origin=None):
+        """`version`: a label given by the caller instead of the tree's own; `origin`: what
+        the user named (a wheel unpacked into `root`), for saying where the engine came from."""
         self.root = pathlib.Path(root)
         if not (self.root / "sglang").is_dir():
             raise EngineSourceError(f"{self.root} holds no sglang/ source tree")
         check_tree(self.root / "sglang")
-        self.version = version or read_version(self.root)
+        self.label = read_label(self.root) if version is None else Label(version, None)
+        self.version = self.label.version
+        self.origin = pathlib.Path(origin or self.root)
         self._modules: dict[str, types.ModuleType] = {}
 
     def path(self, name: str) -> Optional[pathlib.Path]:
@@ -262,16 +266,65 @@ class SourceEngine:
         return ".".join(base + ([node.module] if node.module else []))
 
 
-def read_version(root: pathlib.Path) -> str:
+# A release as the registry publishes it (0.5.23, 0.5.23.post1); anything else (0.0.0.dev0,
+# 0.5.24rc1, a commit, "unknown") is a build nobody released under that name.
+RELEASE = re.compile(r"\d+\.\d+\.\d+(?:\.post\d+)?")
+UNRELEASED = "unreleased build, judged by its code"
+_VERSION = re.compile(r"""__version__\s*(?::\s*str\s*)?=\s*(?:\w+\s*=\s*)*['"]([^'"]+)['"]""")
+
+
+class Label(NamedTuple):
+    """An engine's version as its own files state it. Only a label: every verdict is
+    judged from the engine's code, never from this."""
+
+    version: str  # "unknown" when the tree states none
+    source: Optional[str]  # where it was read, relative to the folder holding sglang/
+
+    @property
+    def released(self) -> bool:
+        return released(self.version)
+
+
+def released(version: str) -> bool:
+    return RELEASE.fullmatch(version) is not None
+
+
+def read_label(root: pathlib.Path) -> Label:
+    """The version of the sglang/ tree under `root`, in the order the engine's own
+    sglang/version.py finds it: its generated _version.py, else the distribution metadata
+    (only a dist-info beside the tree whose RECORD lists this tree's files: another
+    installation's metadata would label this tree with its own version), else the literal
+    version.py falls back to."""
+    root = pathlib.Path(root)
+    found = _version_in(root / "sglang" / "_version.py")
+    if found:
+        return Label(found, "sglang/_version.py")
     for dist in sorted(root.glob("sglang-*.dist-info")):
-        return dist.name[len("sglang-"): -len(".dist-info")]
-    for candidate in ("_version.py", "version.py"):
-        path = root / "sglang" / candidate
-        if path.is_file():
-            found = re.search(r"""__version__\s*(?::\s*str\s*)?=\s*(?:\w+\s*=\s*)*['"]([^'"]+)['"]""", path.read_text(encoding="utf-8"))
-            if found:
-                return found.group(1)
-    return "unknown"
+        record = _small_text(dist / "RECORD")
+        if record is not None and re.search(r"^sglang/__init__\.py,", record, re.M):
+            metadata = _small_text(dist / "METADATA") or ""
+            found = re.search(r"^Version:\s*(\S+)", metadata, re.M)
+            return Label(found.group(1) if found else dist.name[len("sglang-"):-len(".dist-info")], dist.name)
+    found = _version_in(root / "sglang" / "version.py")
+    return Label(found, "sglang/version.py") if found else Label("unknown", None)
+
+
+def _version_in(path: pathlib.Path) -> Optional[str]:
+    text = _small_text(path)
+    found = _VERSION.search(text) if text is not None else None
+    return found.group(1) if found else None
+
+
+def _small_text(path: pathlib.Path) -> Optional[str]:
+    """A regular file's text (a link to one counts) within MEMBER_LIMIT, else None (a FIFO
+    would hang the reader)."""
+    try:
+        mode = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(mode.st_mode) or mode.st_size > MEMBER_LIMIT:
+        return None
+    return path.read_text(encoding="utf-8", errors="replace")
 
 
 def check_tree(tree: pathlib.Path) -> None:
@@ -302,11 +355,12 @@ def check_tree(tree: pathlib.Path) -> None:
 
 
 def _wanted(info: zipfile.ZipInfo) -> bool:
-    """The engine's sources and its distribution metadata (the version); no binaries."""
+    """The engine's sources and its distribution metadata (the version, and the RECORD that
+    ties it to these sources); no binaries."""
     name = info.filename
     return not info.is_dir() and (
         (name.startswith("sglang/") and name.endswith(".py"))
-        or (name.count("/") == 1 and name.endswith(".dist-info/METADATA")))
+        or (name.count("/") == 1 and name.endswith((".dist-info/METADATA", ".dist-info/RECORD"))))
 
 
 def unpack_wheel(wheel, into) -> pathlib.Path:
@@ -360,7 +414,7 @@ def open_engine(path, workdir) -> SourceEngine:
         raise EngineSourceError(f"{path} is neither a regular file nor a folder: give an sglang wheel or a folder holding sglang/")
     into = pathlib.Path(workdir) / path.stem
     try:
-        return SourceEngine(unpack_wheel(path, into))
+        return SourceEngine(unpack_wheel(path, into), origin=path)
     except EngineSourceError:
         shutil.rmtree(into, ignore_errors=True)  # what was written so far goes at once
         raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,3 +46,17 @@ def _compat_matrix():
     import compat_matrix
 
     return compat_matrix
+
+
+PREVIEW = "0.0.0.dev0"  # what a preview image built from an unmerged branch reports
+
+
+def relabelled(tree: pathlib.Path, into: pathlib.Path, version: str = PREVIEW) -> pathlib.Path:
+    """A copy of the engine whose sglang/ sits in `tree`, labelled `version` as a preview
+    build is: its generated sglang/_version.py says so and no dist-info sits beside it.
+    The code is the release's, byte for byte. Returns `into`, which then holds sglang/."""
+    shutil.copytree(tree / "sglang", into / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
+    (into / "sglang" / "_version.py").write_text(
+        f"__version__ = version = {version!r}\n__version_tuple__ = version_tuple = {tuple(version.split('.'))!r}\n"
+        "__commit_id__ = commit_id = None\n")
+    return into

@@ -248,10 +248,12 @@ def test_doctor_json_matches_its_schema(args, env, verdict):
         if flag in rows:
             assert rows[flag]["value"] == value  # an empty value stays "", never blank or null
     if args:
-        assert report["engine"] == {"version": "0.5.16", "source": "path", "path": args[1]}
+        assert report["engine"] == {"version": "0.5.16", "source": "path", "path": args[1], "released": True,
+                                    "version_source": f"{args[1]}/sglang/_version.py", "judged_by": "code"}
         assert report["ranks"]["checked"] is True  # 0.5.16's plugin loader is the same code as the installed one's
     else:
         assert report["engine"]["source"] == "installed" and report["engine"]["version"] == "0.5.23"
+        assert report["engine"]["version_source"] == f"{report['engine']['path']}/_version.py"
     if verdict == "ok" and not report["switched_off"]:
         assert rows["DSV41_SPEC_TP_SYNC"]["setting"] == [
             "1:dspark-mem", "7:dspark-plan", "8:dspark-accept-greedy", "9:dspark-accept-sample", "10:dspark-accept-graph",
@@ -262,7 +264,7 @@ def test_doctor_json_matches_its_schema(args, env, verdict):
 
 def test_doctor_table_shows_an_empty_value_as_quotes():
     done = cli("doctor", DSV41_SPEC_TP_SYNC="", DSV41_FOLDED_FENCE="on")
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:6]}
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[3:7]}  # under the engine header
     assert rows["rank0_broadcast"][:4] == ["rank0_broadcast", "DSV41_SPEC_TP_SYNC", "''", "off"]
     assert rows["folded_fence"][:4] == ["folded_fence", "DSV41_FOLDED_FENCE", "'on'", "applied"]
 

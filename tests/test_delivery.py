@@ -4,10 +4,12 @@ must still call the loader before it builds the Scheduler."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import pathlib
 import shutil
+import subprocess
 
 import pytest
 
@@ -15,11 +17,16 @@ from adapter import delivery, folded_fence, runtime
 from adapter.contract import InstalledEngine
 from adapter.source_engine import SourceEngine
 from tests.doctored import DoctoredEngine, doctored_module
-from tests.engines import ENGINE_PATHS, ROOT, release_sources
+from tests.engines import ENGINE_PATHS, ROOT, engine_env, python, release_sources
 
 OURS = "dsv41_adapters"
 FENCE_ON = {folded_fence.FLAG: "1"}
 SITE_PACKAGES = pathlib.Path(__import__("importlib").util.find_spec("sglang").origin).parent.parent
+
+
+def chosen_names(environ) -> list[str]:
+    """The plugins the engine's loader would run under `environ`, by name."""
+    return [chosen.name for chosen in delivery.chosen_plugins(environ)]
 
 
 @pytest.fixture
@@ -46,7 +53,7 @@ def test_the_engine_discovery_decides_for_each_sglang_plugins_value(value, runs)
     environ = {**FENCE_ON, **({} if value is None else {"SGLANG_PLUGINS": value})}
     problems = runtime.delivery_problems(environ)  # imports the engine, which sets variables of its own
     before = dict(os.environ)
-    assert delivery.chosen_plugins(environ) == runs
+    assert chosen_names(environ) == runs
     assert dict(os.environ) == before  # the environment was presented to the engine, then put back
     decision = runtime.decide(environ)
     if OURS in runs:
@@ -60,8 +67,8 @@ def test_the_engine_discovery_decides_for_each_sglang_plugins_value(value, runs)
 
 def test_listing_another_plugin_only_skips_ours(other_plugin):
     environ = {**FENCE_ON, "SGLANG_PLUGINS": other_plugin}
-    assert delivery.chosen_plugins(environ) == [other_plugin]
-    assert sorted(delivery.chosen_plugins(FENCE_ON)) == sorted([OURS, other_plugin])
+    assert chosen_names(environ) == [other_plugin]
+    assert sorted(chosen_names(FENCE_ON)) == sorted([OURS, other_plugin])
     problems = runtime.delivery_problems(environ)
     assert len(problems) == 1 and f"would run {other_plugin}" in problems[0]
     assert runtime.decide(environ).refused
@@ -93,7 +100,7 @@ def test_what_discovery_says_is_what_a_real_rank_does(value):
     child.join(timeout=180)
     assert child.exitcode == 0
     guarded = results.get(timeout=5) == ["pack-guard"]
-    said = OURS in delivery.chosen_plugins({} if value is None else {"SGLANG_PLUGINS": value})
+    said = OURS in chosen_names({} if value is None else {"SGLANG_PLUGINS": value})
     assert guarded == said == (value is None)
 
 
@@ -170,3 +177,91 @@ def test_a_release_whose_loader_differs_is_not_judged_by_the_installed_code(tmp_
     plugins.write_text(plugins.read_text() + "\n# changed\n")
     assert delivery.discovery_module(SourceEngine(tree)) is None
     assert runtime.delivery_problems({**FENCE_ON, "SGLANG_PLUGINS": ","}, SourceEngine(tree)) == []
+
+
+# --- another distribution under the pack's entry-point name -------------------------------------
+
+RIVAL = "rival_plugin:register"
+
+
+@pytest.fixture
+def rival(tmp_path):
+    """A real second distribution registering the pack's name, as importlib.metadata finds
+    one in a folder on sys.path; its module records that the engine ran it."""
+    dist = tmp_path / "rival_pack-2.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rival-pack\nVersion: 2.0\n")
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{OURS} = {RIVAL}\n")
+    (tmp_path / "rival_plugin.py").write_text("RAN = False\n\ndef register():\n    global RAN\n    RAN = True\n")
+    return tmp_path
+
+
+# In a child: the rival's folder first or last on sys.path, what the pack says, then what
+# the engine's real loader does (ours registers the scheduler guard, the rival sets RAN).
+SAYS_THEN_LOADS = """
+import json, sys
+folder, first = sys.argv[1], sys.argv[2] == "first"
+sys.path.insert(0, folder) if first else sys.path.append(folder)
+from adapter import delivery, runtime
+said = delivery.pack_entry_point({})
+problems = runtime.delivery_problems({})
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sglang.srt.managers.scheduler
+import rival_plugin
+from adapter import patching
+ours = any(s.adapter == "pack-guard" for s in patching.applied())
+print(json.dumps({"said": said and said.value, "problems": problems, "ours_ran": ours, "rival_ran": rival_plugin.RAN}))
+"""
+
+
+@pytest.mark.parametrize("order", ["first", "last"])
+def test_another_distribution_under_the_packs_name_is_refused_in_either_order(rival, order):
+    done = subprocess.run([python(), "-c", SAYS_THEN_LOADS, str(rival), order], cwd=ROOT, env=engine_env("0.5.23"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    # The engine keeps the last entry point of a name it loads: the rival when it comes later on sys.path.
+    ours_runs = order == "first"
+    assert (found["ours_ran"], found["rival_ran"]) == (ours_runs, not ours_runs)
+    assert found["said"] == (delivery.TARGET if ours_runs else RIVAL)  # the pack says what the engine does
+    (problem,) = found["problems"]  # and refuses either way: which one runs is the order of sys.path
+    assert f"entry point '{OURS}' in group sglang.srt.plugins is registered by 2 distributions" in problem
+    assert f"{OURS} = {RIVAL} from rival-pack 2.0 ({rival})" in problem
+    assert f"{OURS} = {delivery.TARGET} from sglang-dsv41-adapters " in problem
+    if ours_runs:
+        assert "ranks run the pack's only because its distribution is found last on sys.path" in problem
+    else:
+        assert f"ranks would run {RIVAL} from rival-pack 2.0 ({rival}) instead of the pack's {delivery.TARGET}" in problem
+
+
+def test_a_shadowed_plugin_stops_doctor_strict_and_the_launch(rival):
+    env = engine_env("0.5.23", **FENCE_ON)
+    env["PYTHONPATH"] = f"{rival}{os.pathsep}{env['PYTHONPATH']}"
+    doctor = subprocess.run([python(), "entrypoint.py", "doctor", "--strict", "--json"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert doctor.returncode == 69, doctor.stderr[-3000:]
+    report = json.loads(doctor.stdout)
+    (problem,) = report["ranks"]["problems"]
+    assert "registered by 2 distributions" in problem and problem in report["problems"]
+    # Which of the two the engine keeps depends on where each is found on sys.path (the checkout's
+    # own egg-info, when set up editable, comes before the rival): the order test above pins both.
+    assert report["ranks"]["entry_point"]["value"] in (delivery.TARGET, RIVAL)
+    launch = subprocess.run([python(), "entrypoint.py", "python", "-c", "print('ran')"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert launch.returncode == 69 and "ran" not in launch.stdout
+    assert "the engine must not start: " in launch.stderr and "rival-pack 2.0" in launch.stderr
+
+
+def test_a_shadowed_plugin_fails_the_image_build_with_every_flag_off(rival):
+    """docker build runs doctor --strict with every flag unset: an installation whose ranks
+    cannot be shown to run the pack fails there, not at the first rollout that sets a flag."""
+    env = engine_env("0.5.23")
+    env["PYTHONPATH"] = f"{rival}{os.pathsep}{env['PYTHONPATH']}"
+    doctor = subprocess.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert doctor.returncode == 69, doctor.stdout[-3000:] + doctor.stderr[-2000:]
+    assert "registered by 2 distributions" in doctor.stdout and "verdict: refused" in doctor.stdout
+    alone = subprocess.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=engine_env("0.5.23"),
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stdout[-3000:]

@@ -133,3 +133,19 @@ def test_canary_sh_compares_the_engines_metrics(canary_accept, canary_tokens, ve
         canary.shutdown()
     assert done.returncode == (0 if verdict == "PASS" else 1), done.stdout + done.stderr
     assert done.stdout.startswith(f"canary {verdict}: spec_accept_length {canary_accept:.3f} vs 3.000 (min 0.98x)")
+
+
+def test_deepseek_v41_code_first_appears_in_0_5_21():
+    """The recipe's claim, on every release's sources: no V4.1 model type before 0.5.21, V4 in all."""
+    from tests.engines import ENGINE_PATHS
+
+    trees = {release: release_sources(release) for release in ("0.5.16", "0.5.17", "0.5.19", "0.5.20", "0.5.21",
+                                                               "0.5.22", "0.5.23")}
+    trees["0.5.18"] = ENGINE_PATHS["0.5.18"][0]
+    configs = lambda tree: tree / "sglang" / "srt" / "configs"  # noqa: E731
+    has_v41 = {release: (configs(tree) / "deepseek_v41.py").is_file()
+               and "deepseek_v41" in (configs(tree) / "model_config.py").read_text() for release, tree in trees.items()}
+    assert sorted(r for r, found in has_v41.items() if found) == ["0.5.21", "0.5.22", "0.5.23"]
+    assert all((tree / "sglang" / "srt" / "models" / "deepseek_v4.py").is_file() for tree in trees.values())
+    recipe = (RECIPE / "README.md").read_text()
+    assert "DeepSeek-V4.1 code first appears in sglang 0.5.21" in recipe and "0.0.0.dev0" in recipe

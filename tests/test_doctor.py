@@ -19,7 +19,12 @@ def test_doctor_json_on_0_5_23_with_the_fence_on():
     done = doctor("0.5.23", "--json", "--strict", DSV41_FOLDED_FENCE="1")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["engine"]["version"] == "0.5.23" and report["ranks"] == {"checked": True, "problems": []}
+    assert report["engine"]["version"] == "0.5.23"
+    assert (report["ranks"]["checked"], report["ranks"]["problems"]) == (True, [])
+    # What the engine's own loader would run under the pack's name: the pack's entry point.
+    entry = report["ranks"]["entry_point"]
+    assert (entry["name"], entry["value"]) == ("dsv41_adapters", "adapter.plugin:register")
+    assert entry["distribution"].startswith("sglang-dsv41-adapters 0.1.0 (")
     fence = next(a for a in report["adapters"] if a["adapter"] == "folded_fence")
     assert (fence["flag"], fence["value"], fence["outcome"], fence["engine_check"]["outcome"]) == ("DSV41_FOLDED_FENCE", "1", "applied", "applied")
     for route in ("TargetVerifyExecutor.accept_and_finalize", "DsparkSamplingAcceptGraph.run", "DSparkWorkerV2._block_accept_lens"):

@@ -294,7 +294,7 @@ def test_bare_run_prints_the_doctor_report(runs):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"sglang {ENGINE}\n")
     assert "every TP rank loads the pack through the engine's plugin loader" in done.stdout
-    states = [line.split()[3] for line in done.stdout.splitlines()[3:6]]
+    states = [line.split()[3] for line in done.stdout.splitlines()[4:7]]  # under the engine header and the table's
     assert states == ["off", "off", "off"], done.stdout
     # doctor decides and reports; it applies nothing, so no process line says APPLIED.
     assert "[sglang-adapters] pid=" not in done.stderr
@@ -394,6 +394,21 @@ def test_the_kernel_step_builds_what_the_ranks_load():
     labels = " ".join(a for i, a in dockerfile_instructions() if i == "LABEL")
     assert '.clone-fence-allowed="${ALLOW_CLONE_FENCE}"' in labels
     assert "TORCH_EXTENSIONS_DIR" not in DOCKERFILE.read_text(), "no JIT cache at run time"
+
+
+def test_the_build_checks_the_engines_label_as_the_pack_reads_it(image):
+    """SGLANG_VERSION names the label of the tree the image imports (doctor's), not whatever
+    importlib.metadata finds; a preview image passes 0.0.0.dev0."""
+    (step,) = [a for i, a in dockerfile_instructions() if i == "RUN" and "installed_label" in a]
+    check = step[step.rindex("&& ") + 3:]
+    assert check.startswith("python3 -P -c ")
+    args = {k: v.strip('"') for k, v in dockerfile_args().items()}
+    run = lambda version: subprocess.run(dockerfile_value("SHELL") + [check], cwd=image.workdir,  # noqa: E731
+                                         env=image.env(args | {"SGLANG_VERSION": version}), capture_output=True,
+                                         text=True, timeout=60)
+    assert run(ENGINE).returncode == 0
+    wrong = run("0.0.0.dev0")
+    assert wrong.returncode == 1 and f"carries sglang {ENGINE} (from sglang/_version.py), expected 0.0.0.dev0" in wrong.stderr
 
 
 @pytest.mark.parametrize("allow", ["0", "yes"])
