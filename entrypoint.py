@@ -181,7 +181,7 @@ def doctor(opts) -> int:
                 engine = open_engine(opts.engine, workdir)
                 engine.version  # noqa: B018  a tree without a readable version is bad input too
             except (ValueError, OSError) as exc:
-                print(f"{runtime.PREFIX} doctor --engine {opts.engine}: {exc} (exit {EXIT_USAGE})", file=sys.stderr, flush=True)
+                runtime.emit(f"doctor --engine {opts.engine}: {exc} (exit {EXIT_USAGE})")
                 return EXIT_USAGE
         else:
             engine = InstalledEngine()
@@ -232,7 +232,8 @@ def report(environ, engine) -> dict:
         # loader where that is the same code (adapter.delivery), else it is not checked.
         "ranks_checked": (isinstance(engine, InstalledEngine) or bool(delivery_problems)
                           or delivery.discovery_module(engine) is not None),
-        "unknown_flags": runtime.unknown_flags(environ),
+        "unknown_flags": runtime.unknown_flags(environ) + runtime.ignored_note(environ),
+        "ignored_variables": runtime.service_links(environ),
         "flag_errors": decision.flag_errors, "switched_off": decision.switched_off,
         "failed": decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows),
     }
@@ -276,6 +277,7 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
         "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"]},
         "flag_errors": found["flag_errors"],
         "problems": found["problems"],
+        "ignored_variables": found["ignored_variables"],
     }
 
 
@@ -309,13 +311,11 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
 # --- launch and the wrapper -------------------------------------------------------------------
 
 def check_and_apply() -> int:
-    """Decide and apply in this process (one line per adapter on stderr); the exit status
-    that stops the launch, or EXIT_OK."""
+    """Decide and apply in this process (one line per adapter on stderr, and the refusal's);
+    the exit status that stops the launch, or EXIT_OK."""
     decision = runtime.apply_once(os.environ)
-    error = decision.error()
-    if error is None:
+    if decision.error() is None:
         return EXIT_OK
-    print(f"{runtime.PREFIX} {error}", file=sys.stderr, flush=True)
     return EXIT_FLAGS if decision.flag_errors else EXIT_REFUSED
 
 
@@ -341,10 +341,10 @@ def wrap(command: list[str]) -> int:
     try:
         os.execvp(command[0], command)
     except FileNotFoundError:
-        print(f"{runtime.PREFIX} {command[0]}: command not found", file=sys.stderr, flush=True)
+        runtime.emit(f"{command[0]}: command not found")
         return EXIT_NOT_FOUND
     except OSError as exc:
-        print(f"{runtime.PREFIX} {command[0]}: cannot run: {exc.strerror}", file=sys.stderr, flush=True)
+        runtime.emit(f"{command[0]}: cannot run: {exc.strerror}")
         return EXIT_CANNOT_RUN
 
 

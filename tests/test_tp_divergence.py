@@ -131,10 +131,10 @@ def test_prometheus_counters(engine_two):
 
 def test_exit_report():
     ranks = run_ranks(2, "tests.divergence_cases:exit_case", release="0.5.23", kwargs={"k": 3}, with_stderr=True)
-    lines = [[line for line in err.splitlines() if "tp_divergence rank=" in line] for _, err in ranks]
+    lines = [[line for line in err.splitlines() if " tp_divergence site=" in line] for _, err in ranks]
     assert lines[0] == []
     assert len(lines[1]) == 1 and lines[1][0].startswith(divergence.PREFIX)
-    assert "tp_divergence rank=1 site=16:dflash-target calls=6 diverged_calls=3 diverged_elements=12" in lines[1][0]
+    assert " rank=1 tp_divergence site=16:dflash-target calls=6 diverged_calls=3 diverged_elements=12" in lines[1][0]
 
 
 # --- sglang 0.5.18: the pack's broadcast, real decision functions -----------------------
