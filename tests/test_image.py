@@ -49,9 +49,9 @@ HADOLINT = Path(sys.executable).parent / "hadolint"
 ENGINE = importlib.metadata.version("sglang")
 PACK_DIST = "sglang_dsv41_adapters"
 # What the Dockerfile's builder stage copies into the wheel's build context.
-WHEEL_SOURCES = ("pyproject.toml", "entrypoint.py", "README.md", "adapter")
+WHEEL_SOURCES = ("pyproject.toml", "entrypoint.py", "README.md", "LICENSE", "adapter")
 LINE = re.compile(
-    r"^\[sglang-adapters\] pid=(\d+) (\w+) (DSV41_\w+)=(<unset>|'[^']*'): "
+    r"^\[sglang-adapters\] pid=(\d+) rank=launcher (\w+) (DSV41_\w+)=(<unset>|'[^']*'): "
     r"(APPLIED|OFF|SUPERSEDED|REFUSED) - .* \(sglang [\w.]+\)$"
 )
 
