@@ -167,7 +167,7 @@ def test_a_draft_model_gpus_and_extra_env(tmp_path, servers):
 LABELS = 'model_name="deepseek-v4.1-flash",engine_type="unified"'
 
 
-def metrics(accept=3.6, ranks=4, rank_accept=None, decode=None, busy=1, verify_step=100):
+def metrics(accept=3.6, ranks=4, rank_accept=None, decode=None, running=1, queued=0, verify_step=100):
     """The engine's series after n reads: the tokenizer's counters (one per server, by streaming),
     per rank the accept-length gauge, the decode token counter and the request gauges.
     decode(rank, n) -> that rank's decode tokens so far (default: all ranks alike)."""
@@ -185,7 +185,7 @@ def metrics(accept=3.6, ranks=4, rank_accept=None, decode=None, busy=1, verify_s
             out += [f"sglang:spec_accept_length{{{rank}}} {rank_accept(r)}",
                     f'sglang:realtime_tokens_total{{{rank},mode="decode"}} {decode(r, n)}',
                     f'sglang:realtime_tokens_total{{{rank},mode="prefill_compute"}} {100 * n}',
-                    f"sglang:num_running_reqs{{{rank}}} {busy}", f"sglang:num_queue_reqs{{{rank}}} 0",
+                    f"sglang:num_running_reqs{{{rank}}} {running}", f"sglang:num_queue_reqs{{{rank}}} {queued}",
                     f"sglang:spec_accept_length_other{{{rank}}} 99"]
         return "# HELP sglang:spec_accept_length x\n# TYPE sglang:spec_accept_length gauge\n" + "\n".join(out) + "\n"
     return text
@@ -211,6 +211,8 @@ def test_a_healthy_canary_passes(servers):
     ("a rank decodes fewer tokens", dict(decode=lambda r, n: 450 * n if r == 1 else 500 * n), "canary: FAIL rank 1: "),
     ("a rank stands still while requests run", dict(decode=lambda r, n: 500 * min(n, 2) if r == 3 else 500 * n),
      "canary: FAIL rank 3 decoded nothing for "),
+    ("no rank moves while requests are queued", dict(running=0, queued=3, decode=lambda r, n: 1000),
+     "canary: FAIL rank 0 decoded nothing for "),
     ("one rank exports", dict(ranks=1), "canary: FAIL 1 of 4 ranks export decode tokens"),
     ("no speculative steps", dict(verify_step=0), "canary: FAIL no speculative verify steps counted"),
 ])
@@ -222,7 +224,7 @@ def test_a_canary_fails_on_what_a_divergence_breaks(servers, case, server, findi
 
 def test_an_idle_canary_is_no_stall(servers):
     """Decode tokens that stand still while no request runs or waits are no stall."""
-    code, out, err = canary(servers(metrics=metrics(busy=0, decode=lambda r, n: 500 * min(n, 2))).url)
+    code, out, err = canary(servers(metrics=metrics(running=0, decode=lambda r, n: 500 * min(n, 2))).url)
     assert "decoded nothing" not in out, out
 
 
