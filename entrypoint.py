@@ -196,7 +196,7 @@ def doctor(opts) -> int:
                 engine = open_engine(opts.engine, workdir)
                 engine.version  # noqa: B018  a tree without a readable version is bad input too
             except (ValueError, OSError) as exc:
-                print(f"{runtime.PREFIX} doctor --engine {opts.engine}: {exc} (exit {EXIT_USAGE})", file=sys.stderr, flush=True)
+                runtime.emit(f"doctor --engine {opts.engine}: {exc} (exit {EXIT_USAGE})")
                 return EXIT_USAGE
         else:
             engine = InstalledEngine()
@@ -251,7 +251,8 @@ def report(environ, engine, deployment=None, judged: str = "") -> dict:
         # loader where that is the same code (adapter.delivery), else it is not checked.
         "ranks_checked": isinstance(engine, InstalledEngine) or bool(delivery_problems) or plugins is not None,
         "entry_point": delivery.pack_entry_point(environ, plugins) if plugins is not None else None,
-        "unknown_flags": runtime.unknown_flags(environ),
+        "unknown_flags": runtime.unknown_flags(environ) + runtime.ignored_note(environ),
+        "ignored_variables": runtime.service_links(environ),
         "flag_errors": decision.flag_errors, "switched_off": decision.switched_off,
         # An installation whose ranks cannot load the pack fails the build even with every flag off.
         "failed": (decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows)
@@ -356,6 +357,7 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
         "by_layout": {adapter: {name: {"topology": dataclasses.asdict(topology.REPRESENTATIVE[name]), "outcome": state,
                                        "reason": reason} for name, (state, reason) in per_layout.items()}
                       for adapter, per_layout in found["by_layout"].items()},
+        "ignored_variables": found["ignored_variables"],
     }
 
 
@@ -390,15 +392,14 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
 # --- launch and the wrapper -------------------------------------------------------------------
 
 def check_and_apply(command: list[str]) -> int:
-    """Decide and apply in this process (one line per adapter on stderr) for the deployment
-    `command` starts (its server arguments, read with the engine's own parser; every layout
-    when they cannot be read); the exit status that stops the launch, or EXIT_OK."""
+    """Decide and apply in this process (one line per adapter on stderr, and the refusal's)
+    for the deployment `command` starts (its server arguments, read with the engine's own
+    parser; every layout when they cannot be read); the exit status that stops the launch,
+    or EXIT_OK."""
     deployment, judged = topology.from_command(command)
     decision = runtime.apply_once(os.environ, deployment, judged)
-    error = decision.error()
-    if error is None:
+    if decision.error() is None:
         return EXIT_OK
-    print(f"{runtime.PREFIX} {error}", file=sys.stderr, flush=True)
     return EXIT_FLAGS if decision.flag_errors else EXIT_REFUSED
 
 
@@ -424,10 +425,10 @@ def wrap(command: list[str]) -> int:
     try:
         os.execvp(command[0], command)
     except FileNotFoundError:
-        print(f"{runtime.PREFIX} {command[0]}: command not found", file=sys.stderr, flush=True)
+        runtime.emit(f"{command[0]}: command not found")
         return EXIT_NOT_FOUND
     except OSError as exc:
-        print(f"{runtime.PREFIX} {command[0]}: cannot run: {exc.strerror}", file=sys.stderr, flush=True)
+        runtime.emit(f"{command[0]}: cannot run: {exc.strerror}")
         return EXIT_CANNOT_RUN
 
 

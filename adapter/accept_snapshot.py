@@ -40,6 +40,8 @@ import sys
 import tempfile
 from typing import Optional
 
+from . import log, metrics
+
 __all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "kernel_path", "extension", "use_extension", "build"]
 
 PATH_ENV = "SGLANG_ADAPTERS_SNAPSHOT_KERNEL"  # not DSV41_*: those are the pack's flags
@@ -202,7 +204,8 @@ def detach(outs, fields: tuple):
 def _report(mode: tuple[str, str]) -> None:
     # Probed at the first CUDA result, on the rank's own device (a probe at start-up would
     # open a CUDA context on device 0 in every rank): one line says which copy serves.
-    print(f"[sglang-adapters] pid={os.getpid()} folded_fence copy: {mode[0]} - {mode[1]}", file=sys.stderr, flush=True)
+    log.emit(f"folded_fence copy: {mode[0]} - {mode[1]}", adapter="folded_fence", copy=mode[0], detail=mode[1])
+    metrics.copy_mode(mode[0])
 
 
 def copy_mode() -> tuple[str, str]:

@@ -13,24 +13,23 @@ Every `every` calls made from Python (a captured site replays without Python, so
 replays reach the report at the next eager call), each device's counters are copied to
 pinned host memory without waiting; the copy is printed once it has landed: one line
 per site that diverged since the last report. At interpreter exit the rest is printed.
-With the engine's metrics on (PROMETHEUS_MULTIPROC_DIR, set by sglang's --enable-metrics
-before it spawns the ranks) the same counts also go to Prometheus counters.
+With the engine's metrics on (adapter.metrics) the same counts also go to the counters
+sglang_adapters:tp_divergence_calls_total, _diverged_calls_total, _diverged_elements_total.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
-import sys
-from typing import Optional
 
-PREFIX = "[sglang-adapters]"
+from . import log, metrics
+
+PREFIX = log.PREFIX
 ROWS = 32  # site numbers index the rows (upstream's run 1-17)
 CALLS, DIVERGED_CALLS, DIVERGED_ELEMENTS = range(3)
 METRICS = (("calls", "calls of a rank-0 broadcast site with the divergence report on"),
            ("diverged_calls", "calls where this rank's own value differed from rank 0's"),
            ("diverged_elements", "elements where this rank's own value differed from rank 0's"))
-METRIC_PREFIX = "sglang_adapters:tp_divergence_"
+METRIC_PREFIX = metrics.PREFIX + "tp_divergence_"
 
 
 class Tally:
@@ -64,8 +63,7 @@ class Tally:
 _tallies: dict = {}
 _slugs: dict[int, str] = {}  # site number -> slug, as the engine (or the pack) names it
 _calls = 0  # observe() calls made from Python, every site
-_rank: Optional[int] = None  # taken at the first call: at exit the process group may be gone
-_metrics: Optional[dict] = None
+_started = False
 
 
 def _capturing(tensor) -> bool:
@@ -88,7 +86,7 @@ def _tally(device, capturing: bool, label: str) -> Tally:
 def observe(number: int, slug: str, mine, theirs, every: int) -> None:
     """Count one call of site `number`: `mine` the values this rank computed (kept before
     the broadcast), `theirs` the same tensors after it (rank 0's)."""
-    global _calls, _rank
+    global _calls, _started
     import torch
 
     capturing = _capturing(theirs[0])
@@ -97,8 +95,9 @@ def observe(number: int, slug: str, mine, theirs, every: int) -> None:
     elements = differed[0] if len(differed) == 1 else torch.stack(differed).sum()
     tally.counts[number].add_(torch.clamp(elements, tally.floor, tally.ceiling))
     _slugs.setdefault(number, slug)
-    if _rank is None:
-        _rank = _global_rank()
+    if not _started:  # the rank, fixed now: at exit the process group may be gone
+        _started = True
+        log.set_process_label(log.process_label())
         atexit.register(flush)
     _calls += 1
     if capturing:  # no copy or event query may be recorded into the graph
@@ -123,25 +122,20 @@ def _print_landed(wait: bool = False) -> list[str]:
             tally.reported.copy_(tally.host)
             lines += _lines(delta)
             _export(delta)
-    for line in lines:
-        print(line, file=sys.stderr, flush=True)
     return lines
 
 
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _lines(delta) -> list[str]:
-    rows = delta.tolist()  # host memory: no device sync
-    return [
-        f"{PREFIX} pid={os.getpid()} tp_divergence rank={_rank} site={number}:{_slugs.get(number, '?')} "
-        f"calls={row[CALLS]} diverged_calls={row[DIVERGED_CALLS]} diverged_elements={row[DIVERGED_ELEMENTS]} "
-        f"(since the last report)"
-        for number, row in enumerate(rows) if row[DIVERGED_CALLS]
-    ]
+    """One line per site that diverged (printed), e.g. `... rank=1 tp_divergence site=8:dspark-accept-greedy
+    calls=118 diverged_calls=3 diverged_elements=5 (since the last report)`."""
+    lines = []
+    for number, row in enumerate(delta.tolist()):  # host memory: no device sync
+        if row[DIVERGED_CALLS]:
+            counts = dict(zip(("calls", "diverged_calls", "diverged_elements"), row))
+            site = f"{number}:{_slugs.get(number, '?')}"
+            lines.append(log.emit(f"tp_divergence site={site} {' '.join(f'{k}={v}' for k, v in counts.items())} "
+                                  "(since the last report)", adapter="tp_divergence", site=site, **counts))
+    return lines
 
 
 def flush() -> list[str]:
@@ -179,25 +173,8 @@ def reset() -> None:
 
 
 def _export(delta) -> None:
-    """Add the counts to Prometheus counters when the engine exposes its metrics."""
-    global _metrics
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        return
-    if _metrics is None:
-        # sglang's /metrics aggregates the files every process writes to this folder
-        # (prometheus_client multiprocess mode), so a rank's own counters show up there.
-        try:
-            from prometheus_client import Counter
-        except ImportError as exc:  # the engine requires it; without it, the lines still report
-            print(f"{PREFIX} tp_divergence: no Prometheus counters ({exc})", file=sys.stderr, flush=True)
-            _metrics = {}
-            return
-        _metrics = {name: Counter(METRIC_PREFIX + name, doc, labelnames=("rank", "site")) for name, doc in METRICS}
-    if not _metrics:
-        return
-    rank = str(_rank)
+    """Add the counts to the Prometheus counters (adapter.metrics) when the engine serves them."""
     for number, row in enumerate(delta.tolist()):
         if row[CALLS]:
-            site = f"{number}:{_slugs.get(number, '?')}"
-            for (name, _), value in zip(METRICS, row):
-                _metrics[name].labels(rank=rank, site=site).inc(value)
+            for (name, doc), value in zip(METRICS, row):
+                metrics.count(f"tp_divergence_{name}", doc, value, site=f"{number}:{_slugs.get(number, '?')}")

@@ -5,6 +5,8 @@ A value that is not understood is a start-up error, never "enabled by accident".
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Mapping
 
 ON_WORDS = ("1", "on", "true")
@@ -59,3 +61,47 @@ def resembles(name: str, flags) -> str | None:
     upper = name.upper()
     close = sorted((edit_distance(upper, flag, 2), flag) for flag in flags if abs(len(flag) - len(upper)) <= 2)
     return close[0][1] if close and close[0][0] <= 2 else None
+
+
+# Kubernetes gives every container variables for every Service in its namespace (unless the
+# pod sets enableServiceLinks: false), named after the Service: a Service `dsv41` gives
+# DSV41_SERVICE_HOST=10.0.0.1, DSV41_SERVICE_PORT=30000 (and _SERVICE_PORT_<PORT NAME>),
+# DSV41_PORT=tcp://10.0.0.1:30000, DSV41_PORT_30000_TCP=tcp://10.0.0.1:30000 and its _PROTO=tcp,
+# _PORT=30000, _ADDR=10.0.0.1. A variable is taken for one only when both its name and its
+# value have that shape: a near miss of a flag (DSV41_FOLDED_FENSE=1) has neither.
+_PROTOCOLS = ("tcp", "udp", "sctp")
+
+
+def _address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
+
+
+def _url(text: str, protocol: str | None = None, port: str | None = None) -> bool:
+    found = re.fullmatch(r"([a-z]+)://(?:\[([0-9a-fA-F:.]+)\]|([0-9.]+)):(\d+)", text)
+    return bool(found) and found[1] in ((protocol,) if protocol else _PROTOCOLS) and _address(found[2] or found[3]) \
+        and _port(found[4]) and port in (None, found[4])
+
+
+def service_link(name: str, value: str) -> bool:
+    """Whether NAME=VALUE is a variable Kubernetes injects for a Service."""
+    if not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
+        return False
+    numbered = re.fullmatch(r"\w+?_PORT_(\d+)_(TCP|UDP|SCTP)(?:_(ADDR|PORT|PROTO))?", name)
+    if numbered:
+        port, protocol, part = numbered[1], numbered[2].lower(), numbered[3]
+        if {None: _url(value, protocol, port), "ADDR": _address(value), "PORT": value == port,
+                "PROTO": value == protocol}[part]:
+            return True
+    if name.endswith("_SERVICE_HOST"):
+        return _address(value)
+    if re.fullmatch(r"\w+?_SERVICE_PORT(?:_\w+)?", name) and _port(value):
+        return True
+    return name.endswith("_PORT") and _url(value)

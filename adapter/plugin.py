@@ -29,6 +29,7 @@ def register() -> None:
 
 def _apply_before_init(wrapped, instance, args, kwargs):
     # Scheduler(server_args, ...) in every release: the rank judges its own deployment.
+    runtime.label_scheduler(wrapped, args, kwargs)  # its lines and metrics say which rank it is
     server_args = args[0] if args else kwargs.get("server_args")
     if server_args is not None:
         deployment, judged = topology.from_server_args(server_args), "this rank's server_args"
@@ -45,8 +46,8 @@ def _guard_scheduler(module) -> None:
     if scheduler is not None and "__init__" in vars(scheduler):
         patching.apply(Patch(scheduler, "__init__", _apply_before_init), GUARD)
         return
-    message = (
-        f"{runtime.PREFIX} {SCHEDULER_MODULE}.Scheduler.__init__ is gone: the pack cannot apply "
+    message = runtime.log.render(
+        f"{SCHEDULER_MODULE}.Scheduler.__init__ is gone: the pack cannot apply "
         "its adapters inside the ranks"
     )
     if any(load(name).FLAG in os.environ for name in ADAPTERS) and not runtime.switched_off(os.environ):

@@ -14,30 +14,26 @@ by what each adapter declares it reads (`AFTER`), not by the order of ADAPTERS.
 from __future__ import annotations
 
 import difflib
-import json
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from . import ADAPTERS, audit, delivery, load, patching
+from . import ADAPTERS, audit, delivery, load, log, metrics, patching
 from .contract import InstalledEngine, Plan, Refused
-from .flags import FlagError, resembles
+from .flags import OFF_WORDS, FlagError, resembles, service_link
+from .log import LOG_FORMAT, LOG_FORMATS, PREFIX, emit, label_scheduler, log_format, set_process_label  # noqa: F401
 from .source_engine import UNRELEASED, released
 from .topology import Topology
 
-PREFIX = "[sglang-adapters]"
-
 OFF, APPLIED, SUPERSEDED, REFUSED = "off", "applied", "superseded", "refused"
 
-# The pack's own switches besides the adapters' flags. DSV41_ADAPTERS=off: nothing is
-# decided or applied anywhere (the rollback); DSV41_ADAPTERS_LOG=json: the per-process
-# lines as JSON for log pipelines. Any other value of either is a start-up error.
+# The pack's own switches besides the adapters' flags. DSV41_ADAPTERS=off (or 0, false,
+# none, any case, as every flag): nothing is decided or applied anywhere (the rollback);
+# DSV41_ADAPTERS_LOG=json: the pack's lines as JSON for log pipelines (adapter.log). Any
+# other value of either is a start-up error.
 MASTER = "DSV41_ADAPTERS"
 MASTER_OFF = "off"
-LOG_FORMAT = "DSV41_ADAPTERS_LOG"
-LOG_FORMATS = ("text", "json")
 LINE_LIMIT = 199  # a per-process line stays under 200 characters; details are doctor's
 _VALUE_LIMIT = 32
 _MORE = " ... (details: sglang-adapters doctor)"
@@ -75,15 +71,20 @@ class Outcome:
     reason: str
     engine: str
 
-    def line(self, form: str = "text", machine: str = "") -> str:
-        """`machine`: what this machine adds to an applied adapter (the fence's copy), first."""
-        if form == "json":
-            return _json_line(adapter=self.adapter, flag=self.flag, value=self.value, outcome=self.state,
-                              reason=self.reason, engine=self.engine, **({"machine": machine} if machine else {}))
+    def entry(self, machine: str = "") -> tuple[str, dict]:
+        """This outcome as a line of the pack (adapter.log): its message, shortened so that the
+        text line stays under 200 characters, and its fields for the JSON form (the whole
+        reason). `machine`: what this machine adds to an applied adapter (the fence's copy), first."""
         # The adapter and release are on the line already: not twice.
         reason = self.reason.removeprefix(f"{self.adapter} refused on sglang {self.engine}: ")
-        return _text_line(f"{self.adapter} {self.flag}", self.value, self.state,
-                          f"{machine}; {reason}" if machine else reason, self.engine)
+        message = _message(f"{self.adapter} {self.flag}", self.value, self.state,
+                           f"{machine}; {reason}" if machine else reason, self.engine)
+        return message, dict(adapter=self.adapter, flag=self.flag, value=self.value, outcome=self.state,
+                             reason=self.reason, engine=self.engine, **({"machine": machine} if machine else {}))
+
+    def line(self, form: str = "text", machine: str = "") -> str:
+        message, fields = self.entry(machine)
+        return log.render(message, form, **fields)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -106,23 +107,24 @@ class Decision:
     topology: Optional[Topology] = None  # the deployment judged for; None: every topology
     judged: str = ""  # where the deployment was read (a rank's server_args, a command), or why it is not known
 
-    def lines(self, form: str = "text") -> list[str]:
-        """What a process that took this decision prints: one line per adapter, or one
-        line in all when the whole pack is switched off."""
+    def entries(self) -> list[tuple[str, dict]]:
+        """What a process that took this decision prints (message and fields, adapter.log):
+        one line per adapter, or one line in all when the whole pack is switched off."""
         if self.switched_off:
             reason = "the whole pack is off: no adapter is decided or applied in this process"
-            if form == "json":
-                return [_json_line(flag=MASTER, value=MASTER_OFF, outcome=OFF, reason=reason, engine=self.engine)]
-            return [_text_line(MASTER, MASTER_OFF, OFF, reason, self.engine)]
-        head = [self.deployment_line(form)] if self.judged else []
-        return head + [o.line(form, machine_note(o.adapter) if o.state == APPLIED else "") for o in self.outcomes]
+            return [(_message(MASTER, MASTER_OFF, OFF, reason, self.engine),
+                     dict(flag=MASTER, value=MASTER_OFF, outcome=OFF, reason=reason, engine=self.engine))]
+        head = [self.deployment_entry()] if self.judged else []
+        return head + [o.entry(machine_note(o.adapter) if o.state == APPLIED else "") for o in self.outcomes]
 
-    def deployment_line(self, form: str = "text") -> str:
+    def deployment_entry(self) -> tuple[str, dict]:
         """Which deployment this process judged, and where it was read from."""
         described = self.topology.describe() if self.topology is not None else "every layout"
-        if form == "json":
-            return _json_line(deployment=described, judged_from=self.judged, engine=self.engine)
-        return f"{PREFIX} pid={os.getpid()} deployment: {described} ({self.judged})"
+        return f"deployment: {described} ({self.judged})", dict(deployment=described, judged_from=self.judged,
+                                                               engine=self.engine)
+
+    def lines(self, form: str = "text") -> list[str]:
+        return [log.render(message, form, **fields) for message, fields in self.entries()]
 
     @property
     def reasons(self) -> list[str]:
@@ -268,49 +270,48 @@ def apply_once(environ: Mapping[str, str] = os.environ, topology: Optional[Topol
         if not _applied.refused:
             apply(_applied)
             _applied.problems += audit.problems(patching.applied(), _applied.engine)
-        for line in _applied.lines(log_format(environ)):
-            print(line, file=sys.stderr, flush=True)
+        form = log_format(environ)
+        for note in ignored_note(environ):
+            emit(note, form, ignored=service_links(environ))
+        for message, fields in _applied.entries():
+            emit(message, form, **fields)
+        if _applied.refused:
+            emit(str(_applied.error()), form, fatal=True)
+        metrics.outcomes(_applied, environ)
     return _applied
 
 
 def switched_off(environ: Mapping[str, str]) -> bool:
-    return environ.get(MASTER) == MASTER_OFF
-
-
-def log_format(environ: Mapping[str, str]) -> str:
-    return "json" if environ.get(LOG_FORMAT) == "json" else "text"
+    """DSV41_ADAPTERS holds an off value: 0/off/false/none in any case, as every flag."""
+    return environ.get(MASTER, "").lower() in OFF_WORDS
 
 
 def switch_problems(environ: Mapping[str, str]) -> list[str]:
     """Start-up errors in the pack's own switches: strict values, as for every flag."""
     problems = []
-    if environ.get(MASTER) not in (None, MASTER_OFF):
-        problems.append(f"{MASTER}={environ[MASTER]!r} is not understood: set it to 'off' to switch the whole "
-                        f"pack off in the launcher and every rank, or leave it unset")
+    if MASTER in environ and not switched_off(environ):
+        problems.append(f"{MASTER}={environ[MASTER]!r} is not understood: set it to {'/'.join(OFF_WORDS)} (any case) "
+                        f"to switch the whole pack off in the launcher and every rank, or leave it unset")
     if environ.get(LOG_FORMAT) not in (None, *LOG_FORMATS):
         problems.append(f"{LOG_FORMAT}={environ[LOG_FORMAT]!r} is not understood: 'json' for one JSON object "
                         f"per line, 'text' or unset for plain lines")
     return problems
 
 
-def _text_line(subject: str, value, state: str, reason: str, engine: str) -> str:
-    """`[sglang-adapters] pid=N <subject>='value': STATE - reason (sglang X)` (subject: the
-    adapter and its flag, or the master switch), the value and then the reason shortened so
-    that the line stays under LINE_LIMIT characters."""
+def _message(subject: str, value, state: str, reason: str, engine: str) -> str:
+    """`<subject>='value': STATE - reason (sglang X)` (subject: the adapter and its flag, or
+    the master switch), the value and then the reason shortened so that the text line
+    (`[sglang-adapters] pid=N rank=R ` first) stays under LINE_LIMIT characters."""
     if value is None:
         shown = "<unset>"
     else:
         shown = repr(value if len(value) <= _VALUE_LIMIT else value[:_VALUE_LIMIT - 3] + "...")
-    head = f"{PREFIX} pid={os.getpid()} {subject}={shown}: {state.upper()} - "
+    head = f"{subject}={shown}: {state.upper()} - "
     tail = f" (sglang {engine})" if released(engine) else f" (sglang {engine}: {UNRELEASED})"
-    room = LINE_LIMIT - len(head) - len(tail)
+    room = LINE_LIMIT - len(log.head()) - len(head) - len(tail)
     if len(reason) > room:
         reason = reason[:max(room - len(_MORE), 0)].rstrip() + _MORE
     return head + reason + tail
-
-
-def _json_line(**fields) -> str:
-    return json.dumps({"pack": PREFIX.strip("[]"), "pid": os.getpid(), **fields}, separators=(",", ":"))
 
 
 def delivery_problems(environ: Mapping[str, str], engine=None) -> list[str]:
@@ -334,9 +335,30 @@ def pack_flags() -> set[str]:
 def unknown_flags(environ: Mapping[str, str]) -> list[str]:
     """DSV41_* variables the pack does not read, and any variable whose name is a near miss
     of a flag (another case, or within two edits: dsv41_folded_fence, DSV4_FOLDED_FENCE): a
-    typo would otherwise leave the intended adapter off without a word."""
+    typo would otherwise leave the intended adapter off without a word. Kubernetes' service
+    links (DSV41_PORT=tcp://10.0.0.1:30000 for a Service `dsv41`) are left out: service_links."""
     known = pack_flags()
-    problems = []
+    hint = lambda near: f"; did you mean {near}?" if near else ""  # noqa: E731
+    return [f"{key} is not a flag of this pack{hint(near)} (its flags: {', '.join(sorted(known))})"
+            for key, near in _not_flags(environ, known) if not service_link(key, environ[key])]
+
+
+def service_links(environ: Mapping[str, str]) -> list[str]:
+    """The variables unknown_flags would refuse but leaves out, because their names and
+    values are those Kubernetes gives a pod for a Service of the namespace."""
+    return [key for key, _ in _not_flags(environ, pack_flags()) if service_link(key, environ[key])]
+
+
+def ignored_note(environ: Mapping[str, str]) -> list[str]:
+    """What the launcher, each rank and doctor say once of the service links they ignored."""
+    ignored = service_links(environ)
+    return [f"ignored {', '.join(ignored)}: Kubernetes service links, not flags of this pack "
+            "(enableServiceLinks: false in the pod spec leaves them out)"] if ignored else []
+
+
+def _not_flags(environ: Mapping[str, str], known: set[str]):
+    """(name, the flag it resembles or None) for every variable the pack would take for a
+    flag it does not have."""
     for key in sorted(environ):
         if key in known:
             continue
@@ -345,6 +367,4 @@ def unknown_flags(environ: Mapping[str, str]) -> list[str]:
             near = next(iter(difflib.get_close_matches(key, known, n=1)), None)
         elif near is None:
             continue
-        hint = f"; did you mean {near}?" if near else ""
-        problems.append(f"{key} is not a flag of this pack{hint} (its flags: {', '.join(sorted(known))})")
-    return problems
+        yield key, near

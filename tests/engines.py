@@ -60,3 +60,35 @@ def relabelled(tree: pathlib.Path, into: pathlib.Path, version: str = PREVIEW) -
         f"__version__ = version = {version!r}\n__version_tuple__ = version_tuple = {tuple(version.split('.'))!r}\n"
         "__commit_id__ = commit_id = None\n")
     return into
+
+
+def served_metrics(folder) -> str:
+    """What the engine's /metrics serves over a PROMETHEUS_MULTIPROC_DIR `folder`: the route
+    sglang's own add_prometheus_middleware mounts on its app with --enable-metrics (a
+    multiprocess collector over the files every process wrote there), asked over HTTP."""
+    from fastapi import FastAPI
+    from sglang.srt.utils.common import add_prometheus_middleware
+    from starlette.testclient import TestClient
+
+    saved = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)  # the collector reads its folder from there
+    try:
+        app = FastAPI()
+        add_prometheus_middleware(app)
+    finally:
+        if saved is None:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved
+    with TestClient(app) as client:
+        response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def metric_samples(text: str, prefix: str) -> dict:
+    """(name, sorted labels) -> value for every sample named `prefix`... in Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name.startswith(prefix)}

@@ -84,7 +84,8 @@ def test_doctor_engine_with_a_bad_path_is_one_line_and_64(path):
     done = cli("doctor", "--engine", path, timeout=60)
     assert done.returncode == 64, done.stderr[-2000:]
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith(f"[sglang-adapters] doctor --engine {path}: ") and line.endswith("(exit 64)")
+    assert re.match(rf"\[sglang-adapters\] pid=\d+ rank=launcher doctor --engine {re.escape(path)}: ", line), line
+    assert line.endswith("(exit 64)")
 
 
 def test_a_reader_that_leaves_early_is_no_error():
@@ -103,9 +104,9 @@ def test_the_wrapper_passes_the_commands_status_through_and_execs_it():
     done = cli("python", "-c", "import os; print(os.getpid()); raise SystemExit(7)", DSV41_FOLDED_FENCE="1")
     assert done.returncode == 7, done.stderr[-3000:]
     lines = pack_lines(done.stderr)
-    assert [line.split()[2] for line in lines] == ["deployment:", *ADAPTERS]
+    assert [line.split()[3] for line in lines] == ["deployment:", *ADAPTERS]
     # exec: the command runs as the very process that checked and applied (same pid).
-    assert all(line.startswith(f"[sglang-adapters] pid={done.stdout.strip()} ") for line in lines), lines
+    assert all(line.startswith(f"[sglang-adapters] pid={done.stdout.strip()} rank=launcher ") for line in lines), lines
     assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED" in done.stderr
 
 
@@ -134,7 +135,7 @@ def test_the_wrapper_stops_before_the_command_on_a_flag_error():
 def test_a_missing_command_is_127():
     done = cli("no-such-command-for-sglang-adapters", "--x", timeout=60)
     assert done.returncode == 127
-    assert "[sglang-adapters] no-such-command-for-sglang-adapters: command not found" in done.stderr
+    assert "rank=launcher no-such-command-for-sglang-adapters: command not found\n" in done.stderr
 
 
 # --- one exit-status table for launch, the wrapper and doctor --strict ------------------------
@@ -192,40 +193,41 @@ def test_the_engines_own_argument_error_stays_2():
 
 # --- doctor --json and its schema ---------------------------------------------------------------
 
-def schema_errors(value, schema, where="$") -> list[str]:
-    """What `value` breaks of `schema`, for the keywords the schema file uses (type, const,
-    enum, required, properties, additionalProperties, items): jsonschema is not among the
-    engine's pinned dependencies, and this is all the file needs."""
-    types = {"object": dict, "array": list, "string": str, "integer": int, "boolean": bool, "null": type(None)}
-    errors = []
-    if "type" in schema:
-        allowed = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        if not any(isinstance(value, types[t]) and not (t != "boolean" and isinstance(value, bool)) for t in allowed):
-            return [f"{where}: {value!r} is not {allowed}"]
-    if "const" in schema and value != schema["const"]:
-        errors.append(f"{where}: {value!r} != {schema['const']!r}")
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{where}: {value!r} not in {schema['enum']}")
-    if isinstance(value, dict):
-        errors += [f"{where}: {key} missing" for key in schema.get("required", []) if key not in value]
-        properties = schema.get("properties", {})
-        if schema.get("additionalProperties") is False:
-            errors += [f"{where}: {key} not in the schema" for key in value if key not in properties]
-        for key, sub in properties.items():
-            if key in value:
-                errors += schema_errors(value[key], sub, f"{where}.{key}")
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            errors += schema_errors(item, schema["items"], f"{where}[{i}]")
-    return errors
+def schema_errors(value, schema=SCHEMA) -> list[str]:
+    """What `value` breaks of `schema` (JSON Schema 2020-12, the jsonschema library)."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    return sorted(f"{error.json_path}: {error.message}" for error in validator.iter_errors(value))
 
 
-def test_the_schema_check_can_fail():
+def test_the_schema_is_a_schema_and_its_check_can_fail():
+    import jsonschema
+
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
     report = {"schema_version": 1, "pack": {"name": "sglang-dsv41-adapters", "version": "0.1.0"}}
-    errors = schema_errors(report | {"verdict": "maybe", "extra": 1}, SCHEMA)
-    assert "$: engine missing" in errors and "$: extra not in the schema" in errors
-    assert "$.verdict: 'maybe' not in ['ok', 'flag-error', 'refused']" in errors
-    assert "$.value: True is not ['string', 'null']" in schema_errors({"value": True}, SCHEMA["properties"]["adapters"]["items"])
+    errors = schema_errors(report | {"verdict": "maybe"})
+    assert "$: 'engine' is a required property" in errors
+    assert "$.verdict: 'maybe' is not one of ['ok', 'flag-error', 'refused']" in errors
+    assert "$.value: True is not of type 'string', 'null'" in schema_errors(
+        {"value": True}, SCHEMA["properties"]["adapters"]["items"])
+
+
+def test_fields_added_within_schema_version_1_validate():
+    """The schema promises additive changes within a version: a report of this version with a
+    field this file does not know yet, at any level, still validates."""
+    done = cli("doctor", "--json", DSV41_FOLDED_FENCE="1")
+    report = json.loads(done.stdout)
+    assert schema_errors(report) == []
+    report["added_later"] = {"any": ["shape"]}
+    report["pack"]["build"] = "abc"
+    report["engine"]["digest"] = "sha256:..."
+    report["adapters"][0]["cost_us"] = 1.5
+    report["adapters"][0]["engine_check"]["since"] = "0.5.19"
+    report["ranks"]["labels"] = ["0", "1"]
+    assert schema_errors(report) == []
+    report["verdict"] = 3  # a retyped field is no addition
+    assert schema_errors(report) == ["$.verdict: 3 is not one of ['ok', 'flag-error', 'refused']"]
 
 
 @pytest.mark.parametrize("args,env,verdict", [
@@ -239,7 +241,7 @@ def test_doctor_json_matches_its_schema(args, env, verdict):
         args = ("--engine", str(release_sources(args[1])))
     done = cli("doctor", "--json", "--strict", *args, **env)
     report = json.loads(done.stdout)
-    assert schema_errors(report, SCHEMA) == []
+    assert schema_errors(report) == []
     assert (report["verdict"], report["strict_exit_status"], done.returncode) == (verdict, *[entrypoint.VERDICT_STATUS[verdict]] * 2)
     assert report["pack"]["version"] == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     rows = {r["flag"]: r for r in report["adapters"]}
@@ -306,6 +308,25 @@ def test_json_lines_for_log_pipelines():
     fence = objects[1]
     assert (fence["flag"], fence["value"], fence["outcome"], fence["engine"]) == ("DSV41_FOLDED_FENCE", "1", "applied", "0.5.23")
     assert "DSparkWorkerV2._block_accept_lens" in fence["reason"]  # the whole reason, not the shortened one
+    assert objects[0]["message"].startswith("deployment: every layout (")
+    for o in objects[1:]:
+        assert o["message"].startswith(f"{o['adapter']} {o['flag']}=")
+    for o in objects:
+        assert o["rank"] == "launcher" and o["pid"] > 0
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", o["time"]), o["time"]
+
+
+def test_json_mode_covers_every_line_the_fatal_one_too():
+    """A refusal and a missing command: every line the pack prints is one JSON object."""
+    refused = cli("python", "-c", "pass", DSV41_ADAPTERS_LOG="json", DSV41_FOLDED_FENSE="1", timeout=120)
+    missing = cli("no-such-command-for-sglang-adapters", DSV41_ADAPTERS_LOG="json", timeout=120)
+    assert (refused.returncode, missing.returncode) == (78, 127)
+    for done in (refused, missing):
+        ours = [line for line in done.stderr.splitlines() if "sglang-adapters" in line]
+        assert ours and all(line.startswith('{"pack":"sglang-adapters","time":"') for line in ours), ours
+    fatal = json.loads(refused.stderr.splitlines()[-1])
+    assert fatal["fatal"] is True and fatal["message"].startswith("the engine must not start: DSV41_FOLDED_FENSE is not")
+    assert json.loads(missing.stderr.splitlines()[-1])["message"] == "no-such-command-for-sglang-adapters: command not found"
 
 
 def test_master_switch_is_one_line_and_applies_nothing():
@@ -313,7 +334,8 @@ def test_master_switch_is_one_line_and_applies_nothing():
                DSV41_FOLDED_FENCE="1", DSV41_SPEC_TP_SYNC="rng", DSV41_GROUP_MIN_MEM="yes", timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
     (line,) = pack_lines(done.stderr)
-    assert re.fullmatch(r"\[sglang-adapters\] pid=\d+ DSV41_ADAPTERS='off': OFF - the whole pack is off: .* \(sglang 0\.5\.23\)", line)
+    assert re.fullmatch(r"\[sglang-adapters\] pid=\d+ rank=launcher DSV41_ADAPTERS='off': OFF - the whole pack is off: .* "
+                        r"\(sglang 0\.5\.23\)", line)
 
 
 # --- near-miss flag names -------------------------------------------------------------------------

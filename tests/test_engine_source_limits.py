@@ -28,7 +28,8 @@ def assert_one_line_error(done: subprocess.CompletedProcess, *parts: str) -> Non
     assert done.stdout == ""
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    assert lines[0].startswith(f"[sglang-adapters] doctor --engine {done.args[-1]}: ")
+    assert lines[0].startswith(f"[sglang-adapters] pid={lines[0].split()[1][4:]} rank=launcher doctor --engine "
+                               f"{done.args[-1]}: ")
     for part in parts:
         assert part in lines[0]
 

@@ -68,3 +68,67 @@ def test_a_misspelt_flag_stops_the_launch_and_fails_strict_doctor():
     assert ("DSV41_FOLDED_FENSE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE? (its flags: DSV41_ADAPTERS, "
             "DSV41_ADAPTERS_LOG, DSV41_FOLDED_FENCE, ") in done.stderr
     assert runtime.unknown_flags({"DSV41_FOLDED_FENCE": "1", "DSV41_SPEC_TP_SYNC": "all", "PATH": "/bin"}) == []
+
+
+# --- Kubernetes service links -------------------------------------------------------------------
+# What Kubernetes gives every container for a Service named `dsv41` (port 30000, named http) in
+# its namespace, unless the pod sets enableServiceLinks: false.
+SERVICE = {"DSV41_SERVICE_HOST": "10.0.0.1", "DSV41_SERVICE_PORT": "30000", "DSV41_SERVICE_PORT_HTTP": "30000",
+           "DSV41_PORT": "tcp://10.0.0.1:30000", "DSV41_PORT_30000_TCP": "tcp://10.0.0.1:30000",
+           "DSV41_PORT_30000_TCP_PROTO": "tcp", "DSV41_PORT_30000_TCP_PORT": "30000",
+           "DSV41_PORT_30000_TCP_ADDR": "10.0.0.1"}
+# A Service named `dsv41-adapters` over IPv6, and one named `dsv41-folded-fence` over UDP.
+MORE = {"DSV41_ADAPTERS_SERVICE_HOST": "fd00::1", "DSV41_ADAPTERS_PORT": "tcp://[fd00::1]:80",
+        "DSV41_FOLDED_FENCE_PORT_53_UDP": "udp://10.0.0.2:53", "DSV41_FOLDED_FENCE_PORT_53_UDP_PROTO": "udp"}
+
+
+def test_service_links_are_ignored_and_named():
+    environ = SERVICE | MORE | {"DSV41_FOLDED_FENCE": "1"}
+    assert runtime.unknown_flags(environ) == []
+    assert runtime.service_links(environ) == sorted(SERVICE | MORE)
+    decision = runtime.decide(environ, names=(folded_fence.NAME,))
+    assert not decision.refused and decision.outcomes[0].state == runtime.APPLIED
+
+
+@pytest.mark.parametrize("name,value", [
+    ("DSV41_FOLDED_FENSE", "1"),  # a near miss keeps being refused, beside service links
+    ("DSV41_PORT", "1"), ("DSV41_PORT", "http://10.0.0.1:30000"), ("DSV41_SERVICE_HOST", "dsv41.example"),
+    ("DSV41_SERVICE_PORT", "30000x"), ("DSV41_PORT_30000_TCP", "tcp://10.0.0.1:30001"),
+    ("DSV41_PORT_30000_TCP_PROTO", "udp"), ("DSV41_PORT_30000_TCP_ADDR", "300.0.0.1"), ("DSV41_SERVICE_PORT", "0"),
+    ("DSV41_PORT", "tcp://10.0.0.1:70000"),
+])
+def test_only_a_service_links_name_with_its_value_is_ignored(name, value):
+    problems = runtime.unknown_flags(SERVICE | {name: value})
+    assert len(problems) == 1 and problems[0].startswith(f"{name} is not a flag of this pack"), problems
+    assert name not in runtime.service_links(SERVICE | {name: value})
+
+
+def test_kubernetes_service_links_do_not_stop_the_server():
+    """doctor --strict and the launch in a pod of a namespace with a Service `dsv41`: they go on,
+    and the launcher says once which variables it ignored."""
+    env = engine_env("0.5.23", DSV41_FOLDED_FENCE="1", **SERVICE)
+    doctor = subprocess.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=240)
+    assert doctor.returncode == 0, doctor.stdout[-2000:] + doctor.stderr[-2000:]
+    assert "flags: ignored DSV41_PORT, DSV41_PORT_30000_TCP, " in doctor.stdout
+    launch = subprocess.run([python(), "entrypoint.py", "python", "-c", "print('ran')"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert launch.returncode == 0 and launch.stdout == "ran\n", launch.stderr[-2000:]
+    ignored = [line for line in launch.stderr.splitlines() if " ignored DSV41_" in line]
+    assert len(ignored) == 1 and ignored[0].startswith("[sglang-adapters] pid=") and "Kubernetes service links" in ignored[0]
+
+
+# --- the master switch takes every flag's off words ---------------------------------------------
+
+@pytest.mark.parametrize("value", ["off", "OFF", "Off", "0", "false", "FALSE", "none", "None"])
+def test_the_master_switch_takes_the_off_words_of_every_flag(value):
+    decision = runtime.decide({"DSV41_ADAPTERS": value, "DSV41_FOLDED_FENCE": "1"})
+    assert decision.switched_off and not decision.refused and not decision.enabled
+
+
+@pytest.mark.parametrize("value", ["on", "1", "true", "", " off", "no", "disabled"])
+def test_any_other_master_switch_value_is_refused(value):
+    decision = runtime.decide({"DSV41_ADAPTERS": value})
+    assert not decision.switched_off and decision.refused
+    (problem,) = decision.flag_errors
+    assert problem.startswith(f"DSV41_ADAPTERS={value!r} is not understood: set it to 0/off/false/none (any case)")

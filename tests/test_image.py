@@ -49,9 +49,9 @@ HADOLINT = Path(sys.executable).parent / "hadolint"
 ENGINE = importlib.metadata.version("sglang")
 PACK_DIST = "sglang_dsv41_adapters"
 # What the Dockerfile's builder stage copies into the wheel's build context.
-WHEEL_SOURCES = ("pyproject.toml", "entrypoint.py", "README.md", "adapter")
+WHEEL_SOURCES = ("pyproject.toml", "entrypoint.py", "README.md", "LICENSE", "adapter")
 LINE = re.compile(
-    r"^\[sglang-adapters\] pid=(\d+) (\w+) (DSV41_\w+)=(<unset>|'[^']*'): "
+    r"^\[sglang-adapters\] pid=(\d+) rank=launcher (\w+) (DSV41_\w+)=(<unset>|'[^']*'): "
     r"(APPLIED|OFF|SUPERSEDED|REFUSED) - .* \(sglang [\w.]+\)$"
 )
 
@@ -352,7 +352,7 @@ def test_a_bad_flag_value_stops_the_launch_before_the_engine(image, bad):
     env = read_env_file(ENV_FILE) | {"DSV41_FOLDED_FENCE": bad}
     done = image.run(dockerfile_value("ENTRYPOINT") + read_server_args() + [SENTINEL], env)
     assert done.returncode == 78, done.stdout[-2000:] + done.stderr[-2000:]
-    assert f"[sglang-adapters] the engine must not start: DSV41_FOLDED_FENCE={bad!r} is not understood" in done.stderr
+    assert f" rank=launcher the engine must not start: DSV41_FOLDED_FENCE={bad!r} is not understood" in done.stderr
     # The engine's launcher never ran: its parser said nothing, its launch_server warned nothing.
     assert "usage:" not in done.stderr and "sglang.launch_server" not in done.stderr
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import multiprocessing
 
 import pytest
@@ -125,7 +126,7 @@ def test_master_switch_off_leaves_a_spawned_rank_untouched_with_every_flag_set(m
     """DSV41_ADAPTERS=off: the rank, loading the pack through the engine's plugin loader with
     every adapter's flag still set (the fence to a value that would refuse), applies nothing
     and says so in one line."""
-    monkeypatch.setenv("DSV41_ADAPTERS", "off")
+    monkeypatch.setenv("DSV41_ADAPTERS", "OFF")  # the off words of every flag, in any case
     monkeypatch.setenv("DSV41_SPEC_TP_SYNC", "all")
     monkeypatch.setenv("DSV41_GROUP_MIN_MEM", "1")
     code, found = spawn_rank(monkeypatch, "1", tmp_path)
@@ -134,10 +135,16 @@ def test_master_switch_off_leaves_a_spawned_rank_untouched_with_every_flag_set(m
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(runtime.PREFIX)]
     assert len(lines) == 1, lines
     assert "DSV41_ADAPTERS='off': OFF - the whole pack is off" in lines[0] and "sglang 0.5.23" in lines[0]
+    assert " rank=launcher " not in lines[0], "a rank's line names it as a scheduler"
 
 
 def test_any_other_master_switch_value_stops_a_spawned_rank(monkeypatch, tmp_path, capfd):
-    monkeypatch.setenv("DSV41_ADAPTERS", "0")
+    monkeypatch.setenv("DSV41_ADAPTERS", "on")
+    monkeypatch.setenv("DSV41_ADAPTERS_LOG", "json")
     code, found = spawn_rank(monkeypatch, None, tmp_path)
     assert code != 0 and "constructor" not in found
-    assert "AdapterRefused: the engine must not start: DSV41_ADAPTERS='0' is not understood" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "AdapterRefused: the engine must not start: DSV41_ADAPTERS='on' is not understood" in err
+    # the fatal line too is one JSON object in JSON mode, before the engine's own traceback
+    (fatal,) = [json.loads(line) for line in err.splitlines() if line.startswith("{") and '"fatal":true' in line]
+    assert fatal["message"].startswith("the engine must not start: DSV41_ADAPTERS='on'") and fatal["time"]

@@ -198,7 +198,7 @@ def test_the_first_cuda_result_says_which_copy_serves(monkeypatch, capsys):
         copy = accept_snapshot.detach(outs, ("first", "second"))
         assert copy.first is not outs.first and copy.first.value == 1
     lines = capsys.readouterr().err.splitlines()
-    assert lines == [f"[sglang-adapters] pid={os.getpid()} folded_fence copy: clones - no CUDA"]
+    assert lines == [f"[sglang-adapters] pid={os.getpid()} rank=launcher folded_fence copy: clones - no CUDA"]
 
 
 # --- told before any CUDA work: doctor and each rank's APPLIED line -------------------------

@@ -13,6 +13,7 @@ from adapter import divergence, runtime
 from adapter import tp_divergence as t
 from adapter.flags import FlagError
 from tests.doctored import Drift
+from tests.engines import metric_samples, served_metrics
 from tests.ranks import run_ranks
 
 N = 12
@@ -110,18 +111,12 @@ def test_engine_sites_four_ranks(engine_four):
 
 
 def test_prometheus_counters(engine_two):
-    """What sglang's /metrics would serve: prometheus_client's multiprocess collector over the
-    folder the ranks wrote to (sglang sets PROMETHEUS_MULTIPROC_DIR for its ranks)."""
-    pytest.importorskip(
-        "prometheus_client", reason="prometheus_client is not installed (sglang requires prometheus-client>=0.20)")
-    from prometheus_client import CollectorRegistry, multiprocess
-
+    """What sglang's /metrics serves over the folder the ranks wrote to (sglang sets
+    PROMETHEUS_MULTIPROC_DIR for its ranks): its own metrics route, asked over HTTP."""
     ranks, folder = engine_two
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(folder))
-    samples = {(s.name, s.labels["rank"], s.labels["site"]): s.value
-               for metric in registry.collect() for s in metric.samples if s.name.endswith("_total")}
     name = divergence.METRIC_PREFIX
+    samples = {(n, dict(labels)["rank"], dict(labels)["site"]): value
+               for (n, labels), value in metric_samples(served_metrics(folder), name).items()}
     # every run of rank 1 with the report on, added up: 4 skews x n steps
     assert samples[(name + "calls_total", "1", "8:dspark-accept-greedy")] == 4 * 3 * N
     assert samples[(name + "diverged_calls_total", "1", "8:dspark-accept-greedy")] == len(SKEWED)
@@ -131,10 +126,10 @@ def test_prometheus_counters(engine_two):
 
 def test_exit_report():
     ranks = run_ranks(2, "tests.divergence_cases:exit_case", release="0.5.23", kwargs={"k": 3}, with_stderr=True)
-    lines = [[line for line in err.splitlines() if "tp_divergence rank=" in line] for _, err in ranks]
+    lines = [[line for line in err.splitlines() if " tp_divergence site=" in line] for _, err in ranks]
     assert lines[0] == []
     assert len(lines[1]) == 1 and lines[1][0].startswith(divergence.PREFIX)
-    assert "tp_divergence rank=1 site=16:dflash-target calls=6 diverged_calls=3 diverged_elements=12" in lines[1][0]
+    assert " rank=1 tp_divergence site=16:dflash-target calls=6 diverged_calls=3 diverged_elements=12" in lines[1][0]
 
 
 # --- sglang 0.5.18: the pack's broadcast, real decision functions -----------------------

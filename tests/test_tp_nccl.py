@@ -65,7 +65,8 @@ def check_sync(ranks):
         assert result["totals"] == {"10:dspark-accept-graph": accept, "17:dspark-draft": [N, 0, 0]}, (rank, result)
         assert result["rows_off"] == [], (rank, result["rows_off"])  # every replay: rank 0's values
         # the report lines: rank 1's add up to its counters; replays print only at the flush
-        got = [re.search(r"rank=(\d+) site=(\S+) calls=\d+ diverged_calls=(\d+) diverged_elements=(\d+)", line).groups()
+        got = [re.search(r"rank=(\d+) tp_divergence site=(\S+) calls=\d+ diverged_calls=(\d+) diverged_elements=(\d+)",
+                         line).groups()
                for line in result["lines"]]
         if rank == 1:
             assert {g[:2] for g in got} == {("1", "10:dspark-accept-graph")}, got

@@ -255,7 +255,7 @@ def sync_case(rank, world, nccl, n, skewed):
             _replays(n, skewed, rank, skew, graph, region, nccl)
             totals = divergence.totals()
             divergence.flush()
-        lines = [line for line in printed.getvalue().splitlines() if "tp_divergence rank=" in line]
+        lines = [line for line in printed.getvalue().splitlines() if " tp_divergence site=" in line]
         off = _rows_off(history, torch.stack((source, source)).cpu())
     finally:
         report(False)

@@ -1,0 +1,71 @@
+"""The pack's lines (adapter.log): each names its process's rank, JSON mode has a timestamp,
+and a scheduler is labelled with its rank as the engine places it (0.5.18: the Scheduler's
+arguments; 0.5.23: the engine's published parallel context)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from adapter import log
+from tests.engines import ROOT, engine_env, python
+
+
+@pytest.fixture
+def label(monkeypatch):
+    monkeypatch.setattr(log, "_label", None)
+
+
+def test_text_and_json_lines(label, monkeypatch, capsys):
+    monkeypatch.delenv(log.LOG_FORMAT, raising=False)
+    assert log.emit("hello", site="x") == f"[sglang-adapters] pid={os.getpid()} rank=launcher hello"
+    log.set_process_label(3)
+    monkeypatch.setenv(log.LOG_FORMAT, "json")
+    line = log.emit("hello", site="x")
+    assert capsys.readouterr().err.splitlines() == [f"[sglang-adapters] pid={os.getpid()} rank=launcher hello", line]
+    found = json.loads(line)
+    assert {k: found[k] for k in ("pack", "pid", "rank", "message", "site")} == {
+        "pack": "sglang-adapters", "pid": os.getpid(), "rank": "3", "message": "hello", "site": "x"}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", found["time"])
+    assert list(found)[:2] == ["pack", "time"]
+
+
+def _bound_init(scheduler_class):
+    return scheduler_class.__init__.__get__(object.__new__(scheduler_class))
+
+
+def test_a_0_5_23_scheduler_is_labelled_from_the_engines_parallel_context(label):
+    """0.5.21+ build Scheduler(server_args, port_args) after publishing the rank: the label
+    comes from the engine's own get_parallel()."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import get_parallel
+
+    init = _bound_init(Scheduler)
+    with get_parallel().override(tp_rank=2, pp_rank=0, dp_rank=None):
+        assert log.label_scheduler(init, (None, None), {}) == "2" == log.process_label()
+    with get_parallel().override(tp_rank=1, pp_rank=1, dp_rank=3):
+        assert log.label_scheduler(init, (), {"server_args": None, "port_args": None}) == "dp3-pp1-1"
+
+
+def test_a_scheduler_that_cannot_be_placed_is_still_no_launcher(label):
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert log.label_scheduler(_bound_init(Scheduler), (None, None), {}) in ("scheduler", "0")
+    assert log.label_scheduler(lambda: None, (1, 2, 3), {}) == "scheduler"
+
+
+def test_a_0_5_18_scheduler_is_labelled_from_its_arguments():
+    """0.5.16-0.5.20: Scheduler(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank,
+    attn_cp_rank, moe_dp_rank, dp_rank), as run_scheduler_process calls it."""
+    code = ("from sglang.srt.managers.scheduler import Scheduler; from adapter import log; "
+            "init = Scheduler.__init__.__get__(object.__new__(Scheduler)); "
+            "print(log.label_scheduler(init, (None, None, 3, 3, 0, 0, 0, 0, None), {})); "
+            "print(log.label_scheduler(init, (None, None, 1, 1, 0, 1, 0, 0, 2), {}))")
+    done = subprocess.run([python(), "-c", code], cwd=ROOT, env=engine_env("0.5.18"), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["3", "dp2-pp1-1"]
