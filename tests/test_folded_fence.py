@@ -372,5 +372,5 @@ def test_boundary_leaves_fresh_results_alone(dspark):
 
     fresh = torch.arange(4)
     result = GenerationBatchResult(accept_lens=fresh, next_draft_input=types.SimpleNamespace(bonus_tokens=fresh + 1))
-    assert fence_boundary.detach_escapes(result, dspark.epilogue) == []
+    assert fence_boundary.detach_escapes(result, dspark.epilogue) == (result, [])
     assert result.accept_lens is fresh
