@@ -89,7 +89,10 @@ def detach_escapes(result, epilogue) -> tuple[object, list[str]]:
                                              "what lies beyond was not compared with the verify graph's buffers")
                     break
                 if what is _TENSOR:
-                    buffer = storages.get(value.untyped_storage().data_ptr())
+                    try:
+                        buffer = storages.get(value.untyped_storage().data_ptr())
+                    except Exception:  # noqa: BLE001 - no storage to share (sparse, nested): nothing to copy
+                        continue
                     if buffer is not None:
                         changes.setdefault(at, {})[key] = value.clone()
                         routes.append(f"{_route(where, holder, key)} <- {name}.{buffer}")

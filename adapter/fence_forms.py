@@ -115,7 +115,8 @@ class CheapForm:
     def _engine_path(self, wrapped, instance, args, kwargs):
         """The engine's own path, its result copied; on the folded path, a proof as well."""
         epilogue = getattr(instance, "verify_epilogue", None)
-        if self.off is not None or not kwargs.get("folded_accept") or epilogue is None:
+        # Proofs are kept per batch size: one that is no plain int is never trusted.
+        if self.off is not None or not kwargs.get("folded_accept") or epilogue is None or type(kwargs["bs"]) is not int:
             return detach_shared(wrapped(*args, **kwargs), epilogue)
         context = (type(instance), epilogue, type(epilogue))
         if len(self.context) != 3 or not all(map(operator.is_, context, self.context)):
