@@ -13,16 +13,16 @@ snapshot the `[:bs]` views `read_accept` would make, cached per batch size, inst
 running the branch and copying its result. folded_fence builds it only when the branch,
 `read_accept` and `AcceptOuts` are exactly the checked source with nothing around them.
 It is also checked where it runs: in each process, the first PROOF_CALLS folded calls
-per batch size (again whenever the executor's class, the epilogue or its class changes)
-run the engine's own path under a profiler and compare it with what the cheap form
+per batch size (again whenever the executor's class, the epilogue, its class or one of
+its buffers changes) run the engine's own path under a profiler and compare it with what the cheap form
 would hand out: the same Python frames (accept_and_finalize, note_static_verify and what
 it calls, read_accept; a decorator, a descriptor, an override, a __post_init__ or a
 tensor subclass's hook would be one more), the same struct type, and every field the
 very view the cheap form snapshots (storage, offset, shape, stride, dtype). Those calls
 return the engine's result, copied. On any difference the process takes the general
-form for good and says why, once. Between proofs each call checks, by identity, that
-nothing it relies on was swapped since (the epilogue, the classes, read_accept, the
-AcceptOuts that read_accept builds, no instance attribute shadowing it).
+form for good and says why, once. Once trusted, each call checks by identity that nothing
+it relies on was swapped since (the epilogue, the classes, read_accept, the AcceptOuts
+that read_accept builds, the buffers, no instance attribute shadowing read_accept).
 """
 
 from __future__ import annotations
