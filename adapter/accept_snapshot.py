@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import inspect
-import operator
 import os
 import re
 import shutil
@@ -40,7 +39,7 @@ import sys
 import tempfile
 from typing import Optional
 
-from . import log, metrics
+from . import holders, log, metrics
 
 __all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "kernel_path", "extension", "use_extension", "build"]
 
@@ -169,18 +168,10 @@ _mode: Optional[tuple] = None  # copy_mode()'s answer once probed
 _kernel = None                 # the loaded library, when it can serve this GPU
 _enabled = True                # use_extension() (tests, benchmarks)
 _snapshot = None               # _kernel.snapshot while enabled: the hot path's one check
-_getters: dict = {}
 
 
 def kernel_path() -> str:
     return os.environ.get(PATH_ENV) or DEFAULT_PATH
-
-
-def _getter(fields: tuple):
-    get = _getters.get(fields)
-    if get is None:
-        get = _getters[fields] = operator.attrgetter(*fields)
-    return get
 
 
 def snapshot(tensors):
@@ -194,11 +185,15 @@ def snapshot(tensors):
     return [t.clone() for t in tensors]
 
 
-def detach(outs, fields: tuple):
-    """A copy of `outs` (a struct whose fields are exactly `fields`) whose tensors own
-    their memory, queued on the current stream. Rebuilt with keywords: the struct
-    may be keyword-only."""
-    return type(outs)(**dict(zip(fields, snapshot(_getter(fields)(outs)))))
+def detach(outs, fields):
+    """A copy of `outs` whose `fields` (keys as holders.items names them) own their memory,
+    snapshotted together on the current stream; every other field carried over and the
+    copy of `outs`'s own type (holders.replaced: a subclass keeps its extra fields, a
+    tuple, a keyword-only or frozen struct is no obstacle)."""
+    if not fields:
+        return outs
+    values = dict(holders.items(outs))
+    return holders.replaced(outs, dict(zip(fields, snapshot([values[key] for key in fields]))))
 
 
 def _report(mode: tuple[str, str]) -> None:

@@ -30,6 +30,7 @@ from .contract import Refused, scoped_nodes
 # Kinds of reference (UNPARSED: a file holding a name that does not parse; never known).
 NAME, BIND, ATTRIBUTE, IMPORT, DEFINITION, PARAMETER, KEYWORD, STRING, UNPARSED = (
     "name", "bind", "attribute", "import", "definition", "parameter", "keyword", "string", "unparsed")
+KINDS = (NAME, BIND, ATTRIBUTE, IMPORT, DEFINITION, PARAMETER, KEYWORD, STRING, UNPARSED)
 
 
 class Reference(NamedTuple):

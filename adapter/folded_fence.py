@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import ast
 import functools
-import operator
 import os
 import re
 import textwrap
+import types
 from collections.abc import Mapping
 from typing import Optional
 
-from . import accept_snapshot, census, fence_boundary
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, combine, target_modules
+from . import accept_snapshot, census, fence_boundary, fence_forms, patching
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Patch, Plan, combine, from_source, target_modules
 from .flags import parse_switch
 
 NAME = "folded_fence"
@@ -58,64 +58,20 @@ def machine() -> str:
     return f"copy: {mode}" if mode == "one-launch" else f"copy: {mode} ({why})"
 
 
-def detach_accept(outs):
-    """A copy of an `AcceptOuts` whose fields own their memory (queued on the current
-    stream, which is the forward stream where the verify ran). On CUDA one fresh block
-    filled by one launch, else plain clones (accept_snapshot); the fields are passed
-    in order, which `check` pins (AcceptOuts has exactly FIELDS, in this order)."""
-    return accept_snapshot.detach(outs, FIELDS)
-
-
-def _fence_folded_accept(wrapped, instance, args, kwargs):
-    """The general form: run the engine's path, then copy what it returned."""
-    outs = wrapped(*args, **kwargs)
-    # accept_and_finalize is keyword-only (checked), so the flag is in kwargs.
-    return detach_accept(outs) if kwargs.get("folded_accept") else outs
-
-
-_views: dict = {}  # bs -> (the buffer objects, their [:bs] views): built once per batch size
-
-
-def _folded_snapshot(notes: bool, buffers: operator.attrgetter, accept_outs: type, wrapped, instance, args, kwargs):
-    """The cheap form, used only when the folded branch and read_accept are exactly as
-    checked (`_replicable`): do what the branch does (note_static_verify, then read_accept's
-    [:bs] views, cached per batch size while the buffers are the same objects) and hand
-    the views straight to the one-launch snapshot. Fresh memory every step, no unfenced
-    call, no second struct."""
-    if not kwargs.get("folded_accept"):
-        return wrapped(*args, **kwargs)
-    epilogue, bs = instance.verify_epilogue, kwargs["bs"]
-    if notes:
-        epilogue.note_static_verify(bs)
-    bufs, hit = buffers(epilogue), _views.get(bs)
-    if hit is None or not all(map(operator.is_, hit[0], bufs)):
-        hit = _views[bs] = (bufs, [buf[:bs] for buf in bufs])
-    return accept_outs(**dict(zip(FIELDS, accept_snapshot.snapshot(hit[1]))))
-
-
-@functools.lru_cache(maxsize=None)  # one wrapper per form: deciding again re-wraps nothing
-def _folded_snapshot_for(notes: bool, buffers: tuple, accept_outs: type):
-    return functools.partial(_folded_snapshot, notes, operator.attrgetter(*buffers), accept_outs)
-
-
-def _fence_region_accept(wrapped, instance, args, kwargs):
-    outs = wrapped(*args, **kwargs)
-    return None if outs is None else detach_accept(outs)
-
-
-def _fence_block_accept_lens(wrapped, instance, args, kwargs):
-    lens = wrapped(*args, **kwargs)
-    # A view (of block_accept_lens_buf) escapes; the eager sum is already fresh.
-    return lens.clone() if lens is not None and lens._base is not None else lens
-
-
 # Every function that calls an epilogue reader, per module. A reader call elsewhere
 # (other than as an `out=` write target) is an escape route the fence does not
 # cover, and the fence refuses rather than report a partial fix as applied.
 ESCAPES = {
-    VERIFY: {"TargetVerifyExecutor.accept_and_finalize": _fence_folded_accept},
-    SAMPLING_ACCEPT_GRAPH: {"DsparkSamplingAcceptGraph.run": _fence_region_accept},
-    WORKER: {"DSparkWorkerV2._block_accept_lens": _fence_block_accept_lens},
+    VERIFY: ("TargetVerifyExecutor.accept_and_finalize",),
+    SAMPLING_ACCEPT_GRAPH: ("DsparkSamplingAcceptGraph.run",),
+    WORKER: ("DSparkWorkerV2._block_accept_lens",),
+}
+# Where each escaping function's instance holds the epilogue (set in its __init__, checked):
+# the general form compares what the function returns with that epilogue's buffers.
+ROUTE_EPILOGUE = {
+    "TargetVerifyExecutor.accept_and_finalize": "verify_epilogue",
+    "DsparkSamplingAcceptGraph.run": "_epilogue",
+    "DSparkWorkerV2._block_accept_lens": "_verify_epilogue",
 }
 # Reader calls that are not escapes: a captured write through the views, and the
 # upstream fix's snapshot, which copies them.
@@ -165,6 +121,9 @@ def census_sites(buffers: frozenset) -> list:
     # its relay by copy).
     sites.append(census.Site(OVERLAP_UTILS, "FutureMap", frozenset({"new_seq_lens_buf"}), frozenset({census.ATTRIBUTE}),
                              "FutureMap's own buffer of the same name", receiver="self"))
+    # accept_and_finalize is followed only so that the cheap form sees its definitions.
+    sites.append(census.Site("sglang.", "*", frozenset({FOLDED_METHOD}), frozenset(census.KINDS) - {census.UNPARSED},
+                             "followed for the cheap form only (_defined_elsewhere)"))
     return sites
 
 
@@ -182,14 +141,21 @@ def epilogue_buffers(contract: Contract) -> frozenset:
     return frozenset(buffers)
 
 
+def _census_names(verify: Contract) -> set:
+    """The names the census follows: the readers, their buffers, and accept_and_finalize
+    (only to find a definition elsewhere, which the cheap form would not see)."""
+    return set(READERS) | epilogue_buffers(verify) | {FOLDED_METHOD}
+
+
 def _census(engine, verify) -> None:
     """No reference to a reader or a buffer outside the known sites (adapter.census)."""
-    buffers = epilogue_buffers(Contract(NAME, verify))
-    census.refuse_unknown(NAME, engine, set(READERS) | buffers, census_sites(buffers),
+    contract = Contract(NAME, verify)
+    census.refuse_unknown(NAME, engine, _census_names(contract), census_sites(epilogue_buffers(contract)),
                           "an epilogue reader or persistent buffer, whose views the fence may not cover,")
 
 
-FOLDED = "TargetVerifyExecutor.accept_and_finalize"
+FOLDED_METHOD = "accept_and_finalize"
+FOLDED = f"TargetVerifyExecutor.{FOLDED_METHOD}"
 READ = f"DsparkVerifyEpilogue.{READERS[0]}"
 SNAPSHOT = f"DsparkVerifyEpilogue.{UPSTREAM_SNAPSHOT}"
 BOUNDARY = "DSparkWorkerV2.forward_batch_generation"
@@ -254,45 +220,103 @@ def _snapshot_detaches_every_field(contract: Contract) -> bool:
     return set(values) == set(FIELDS) and all(re.fullmatch(r".+\.clone\(\)", v) for v in values.values())
 
 
-def _check_construction(contract: Contract) -> None:
-    """The copy rebuilds AcceptOuts with one keyword per field; refuse a class that takes
-    its fields any other way (its own __init__/__new__, init=False)."""
-    tree = ast.parse(contract.source())
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AcceptOuts"), None)
-    if cls is None:
-        raise contract.refuse("AcceptOuts", "is not a class of this module")
-    custom = [n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__new__")]
-    no_init = [ast.unparse(n) for n in (*cls.decorator_list, *(s.value for s in cls.body if isinstance(s, ast.AnnAssign) and s.value))
-               if "init=False" in ast.unparse(n)]
-    if custom or no_init:
-        raise contract.refuse("AcceptOuts", f"is no longer built from one keyword per field ({', '.join(custom + no_init)}); "
-                                            "the fence's copy could not rebuild it")
+GENERAL_FOLDED = fence_forms.general(ROUTE_EPILOGUE[FOLDED])
 
 
-def _folded_wrapper(contract: Contract):
-    """The cheap form when what it replicates is exactly as checked, else the general one."""
+def _folded_wrapper(contract: Contract, engine) -> tuple:
+    """(wrapper, why not the cheap form): the cheap form only where every function it stands
+    in for is exactly the checked source with nothing around it, else the general form."""
     branch, buffers = _folded_branch(contract), _replicable(contract)
-    if branch is not None and branch[1] == READERS[0] and buffers is not None:
-        return _folded_snapshot_for(branch[0], buffers, contract.attr("AcceptOuts"))
-    return _fence_folded_accept
+    if branch is None or branch[1] != READERS[0]:
+        return GENERAL_FOLDED, "the folded branch is not [note_static_verify(bs)] + return read_accept(bs)"
+    if buffers is None:
+        return GENERAL_FOLDED, "read_accept is not one AcceptOuts(<field>=self.<buffer>[:bs], ...)"
+    if not _built_by_keywords(contract):
+        return GENERAL_FOLDED, "AcceptOuts runs code of its own when it is built"
+    elsewhere = _defined_elsewhere(engine, contract)
+    if elsewhere:
+        return GENERAL_FOLDED, f"{elsewhere[0].module}:{elsewhere[0].function} defines {elsewhere[0].name} too"
+    folded, read = _plain_function(contract, FOLDED), _plain_function(contract, READ)
+    if folded is None or read is None:
+        return GENERAL_FOLDED, f"{FOLDED if folded is None else READ} is decorated, rebound or wrapped"
+    return fence_forms.cheap_form(FIELDS, buffers, branch[0], contract.attr("AcceptOuts"), folded, read), None
+
+
+def _built_by_keywords(contract: Contract) -> bool:
+    """AcceptOuts takes its fields as read_accept passes them, one keyword each, and runs
+    nothing of its own (no __init__, __new__, __post_init__, init=False): the cheap form
+    builds it the same way."""
+    cls = _classes(contract.source()).get("AcceptOuts")
+    if cls is None:
+        return False
+    own = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__new__", "__post_init__")]
+    return not own and "init=False" not in ast.unparse(cls)
+
+
+def _defined_elsewhere(engine, contract: Contract) -> list:
+    """Definitions (or bindings) of accept_and_finalize or read_accept anywhere in the
+    engine other than the checked ones: an override the cheap form would not run."""
+    own = {(FOLDED_METHOD, "TargetVerifyExecutor"), (READERS[0], EPILOGUE)}
+    return [ref for ref in census.references(engine, _census_names(contract))
+            if ref.name in (FOLDED_METHOD, READERS[0]) and ref.kind in (census.DEFINITION, census.BIND)
+            and not (ref.module == VERIFY and (ref.name, ref.function) in own)]
+
+
+def _plain_function(contract: Contract, dotted: str):
+    """The function `dotted` names when it is the class body's one binding of that name, a
+    `def` with no decorator, and (on an installed engine) compiled from that very `def` in
+    this module's file with nothing wrapped around it since; else None."""
+    owner_name, _, name = dotted.rpartition(".")
+    owner = contract.attr(owner_name)
+    func = patching.original(owner, name) or vars(owner).get(name)
+    cls = _classes(contract.source()).get(owner_name)
+    nodes = [] if cls is None else [n for n in cls.body if name in _bound_names(n)]
+    if len(nodes) != 1 or not isinstance(nodes[0], ast.FunctionDef) or nodes[0].decorator_list:
+        return None
+    if not isinstance(func, types.FunctionType) or hasattr(func, "__wrapped__"):
+        return None
+    if from_source(contract.module):
+        return func  # read from source: never called, its text is what was checked
+    code = func.__code__
+    here = os.path.realpath(code.co_filename) == os.path.realpath(contract.module.__file__)
+    return func if here and (code.co_name, code.co_firstlineno) == (name, nodes[0].lineno) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _classes(source: str) -> dict:
+    """The module's top-level classes by name."""
+    return {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+
+
+def _bound_names(statement) -> set:
+    """The names a class-body statement binds."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {statement.name}
+    targets = statement.targets if isinstance(statement, ast.Assign) else [getattr(statement, "target", None)]
+    return {n.id for t in targets if t is not None for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def _sets_epilogue(contract: Contract, owner: str, attribute: str, reader: str) -> None:
+    """`owner.__init__` sets self.<attribute>, where `reader` finds the epilogue at run time."""
+    init = f"{owner}.__init__"
+    if not any(ast.unparse(t) == f"self.{attribute}" for stmt in ast.walk(ast.parse(textwrap.dedent(
+            contract.function_source(init)))) if isinstance(stmt, ast.Assign) for t in stmt.targets):
+        raise contract.refuse(init, f"no longer sets self.{attribute}, which {reader} reads")
 
 
 def _boundary_patch(contract: Contract) -> Patch:
     """Where a verify step's results leave the worker for the scheduler: checked there at
     run time (fence_boundary), whatever route they took."""
     contract.params(BOUNDARY, {"self": POSITIONAL})
-    if not any(ast.unparse(t) == "self._verify_epilogue" for stmt in ast.walk(ast.parse(textwrap.dedent(
-            contract.function_source("DSparkWorkerV2.__init__")))) if isinstance(stmt, ast.Assign) for t in stmt.targets):
-        raise contract.refuse("DSparkWorkerV2.__init__", "no longer sets self._verify_epilogue, which the boundary check reads")
+    _sets_epilogue(contract, "DSparkWorkerV2", "_verify_epilogue", "the boundary check")
     return Patch(contract.attr("DSparkWorkerV2"), "forward_batch_generation", fence_boundary.check_results)
 
 
-def _module_plan(contract: Contract) -> Plan:
+def _module_plan(contract: Contract, engine) -> Plan:
     """The escape routes of one module, each checked; patches nothing."""
     key = contract.module.__name__
     if key == VERIFY:
         contract.struct_fields("AcceptOuts", FIELDS)
-        _check_construction(contract)
         contract.params(READ, {"self": POSITIONAL, "bs": POSITIONAL})
         contract.params(FOLDED, ESCAPE_PARAMS[FOLDED])
     escapes = ESCAPES[key]
@@ -302,8 +326,13 @@ def _module_plan(contract: Contract) -> Plan:
     for function in seen:
         owner_name, _, attr = function.rpartition(".")
         contract.params(function, ESCAPE_PARAMS[function])
-        wrapper = _folded_wrapper(contract) if function == FOLDED else escapes[function]
+        _sets_epilogue(contract, owner_name, ROUTE_EPILOGUE[function], "the fence")
+        wrapper, why = fence_forms.general(ROUTE_EPILOGUE[function]), None
+        if function == FOLDED:
+            wrapper, why = _folded_wrapper(contract, engine)
         patches.append(Patch(contract.attr(owner_name), attr, wrapper))
+        if why:
+            notes.append(f"general form on {FOLDED}: {why}")
     if key == VERIFY and FOLDED not in seen:
         branch = _folded_branch(contract)
         if branch is None or branch[1] != UPSTREAM_SNAPSHOT:
@@ -311,7 +340,8 @@ def _module_plan(contract: Contract) -> Plan:
         if _snapshot_detaches_every_field(contract):
             notes.append(f"the engine snapshots the folded result itself ({SNAPSHOT} clones every field)")
         else:  # named like upstream's fix but not shown to detach every field: fence it
-            patches.append(Patch(contract.attr("TargetVerifyExecutor"), "accept_and_finalize", _fence_folded_accept))
+            _sets_epilogue(contract, "TargetVerifyExecutor", ROUTE_EPILOGUE[FOLDED], "the fence")
+            patches.append(Patch(contract.attr("TargetVerifyExecutor"), FOLDED_METHOD, GENERAL_FOLDED))
             notes.append(f"{SNAPSHOT} is not shown to clone every field")
     if not patches:
         if notes:
@@ -326,7 +356,7 @@ def check(engine, enabled: bool, context) -> Plan:
     the results are also checked where they leave the worker (fence_boundary)."""
     modules = target_modules(NAME, engine, TARGETS)
     contracts = {name: Contract(NAME, module) for name, module in modules.items()}
-    plan = combine(NAME, engine.version, [_module_plan(contract) for contract in contracts.values()])
+    plan = combine(NAME, engine.version, [_module_plan(contract, engine) for contract in contracts.values()])
     _census(engine, modules[VERIFY])
     if plan.state == "applied":
         plan.patches.append(_boundary_patch(contracts[WORKER]))

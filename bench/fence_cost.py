@@ -13,13 +13,15 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
   clones6          unfenced call + six per-field clones (what the upstream fix does)
   fence            the pack's fence as the runtime applies it: on 0.5.23 the cheap form (the
                    folded branch done by the fence: note_static_verify, read_accept's [:bs]
-                   views cached per batch size, one-launch snapshot into one fresh block)
-  fence_general    the general form (before this change): the unfenced call, then its
-                   result copied (one launch) and rebuilt as a second struct
+                   views cached per batch size, one-launch snapshot into one fresh block),
+                   trusted after its proofs (the first calls per batch size, in the warm-up)
+  fence_general    the general form: the unfenced call, its result's storage compared with
+                   the epilogue's buffers, then copied (one launch) into a copy of its type
   fence_clones     the cheap form with the fallback copy (plain clones)
-  wrapped_noop     the general form's wrapper with a copy that does nothing (wrapt's cost)
+  wrapped_noop     a wrapt wrapper that only calls through (wrapt's own cost)
   boundary         unfenced call + the fence's boundary check on a worker result of fresh
-                   tensors (fence_boundary.detach_escapes: what every step pays for it)
+                   tensors (fence_boundary.detach_escapes on the real GenerationBatchResult,
+                   LogitsProcessorOutput and DFlashDraftInputV2: what every step pays for it)
   fence_boundary   fence + boundary check: the fence's whole cost per verify step
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
@@ -50,12 +52,16 @@ import torch  # noqa: E402
 
 from adapter import accept_snapshot, fence_boundary, folded_fence, patching, runtime  # noqa: E402
 from adapter.contract import Patch  # noqa: E402
+from bench.fence_host_cost import decode_result  # noqa: E402  (the realistic worker result)
 # the worker's arguments, as the GPU test passes them, and the fence switched on as a rank does
 from tests.test_fence_gpu import STRIDE, fence_on, folded_kwargs  # noqa: E402
 
 
 FIELDS = folded_fence.FIELDS
-DETACH = folded_fence.detach_accept  # the general form's copy step (wrapped_noop swaps it out)
+
+
+def call_through(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
 
 
 def build(max_bs: int):
@@ -93,37 +99,22 @@ def check_detached(verify, epilogue, outs, bs: int) -> None:
         assert mine.untyped_storage().data_ptr() != buf.data_ptr(), name
 
 
-def worker_result(device, bs: int):
-    """A DSpark worker's GenerationBatchResult of fresh tensors, shaped as 0.5.23 fills it."""
-    from sglang.srt.managers.utils import GenerationBatchResult
-
-    ints = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
-    return GenerationBatchResult(
-        logits_output=types.SimpleNamespace(next_token_logits=None, hidden_states=torch.zeros(bs * STRIDE, 16, device=device)),
-        next_token_ids=ints(bs * STRIDE), accept_lens=ints(bs), block_accept_lens=ints(bs), cap_lens=ints(bs),
-        new_seq_lens=ints(bs), can_run_cuda_graph=True, speculative_num_draft_tokens=STRIDE,
-        next_draft_input=types.SimpleNamespace(bonus_tokens=ints(bs), new_seq_lens=ints(bs), hidden=None),
-    )
-
-
 def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
     """name -> (setup, call): setup puts the module in the variant's state (untimed)."""
     kw = folded_kwargs(bs, device)
     ext = accept_snapshot.extension()
     TVE = verify.TargetVerifyExecutor
-    result = worker_result(device, bs)
+    result = decode_result(bs, device=device)
 
     def unpatched():
         runtime.revert()
         setattr(TVE, ORIGINAL, original)
-        folded_fence.detach_accept = DETACH
         accept_snapshot.use_extension(True)
 
-    def general(detach=DETACH):
+    def wrapped(wrapper):
         def setup():
             unpatched()
-            patching.apply(Patch(TVE, ORIGINAL, folded_fence._fence_folded_accept), folded_fence.NAME)
-            folded_fence.detach_accept = detach
+            patching.apply(Patch(TVE, ORIGINAL, wrapper), folded_fence.NAME)
         return setup
 
     def fenced(one_launch: bool):
@@ -147,8 +138,8 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
         "sleep0_launch": (unpatched, lambda: torch.cuda._sleep(0)),
         "unfenced": (unpatched, call),
         "clones6": (unpatched, clones6),
-        "wrapped_noop": (general(lambda outs: outs), call),
-        "fence_general": (general(), call),
+        "wrapped_noop": (wrapped(call_through), call),
+        "fence_general": (wrapped(folded_fence.GENERAL_FOLDED), call),
         "fence": (fenced(True), call),
         "fence_clones": (fenced(False), call),
         "boundary": (unpatched, with_boundary),

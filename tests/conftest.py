@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from adapter import folded_fence, runtime
+from adapter import fence_forms, folded_fence, runtime
 from tests.doctored import doctored_module  # noqa: F401  (used by the test modules)
 
 VERIFY = folded_fence.VERIFY
@@ -42,18 +42,23 @@ def verify():
 
     yield module
     runtime.revert()
+    fence_forms.cheap_form.cache_clear()  # a test's fallback is not the next test's
 
 
 @pytest.fixture
 def dspark(verify):
-    """A real DsparkVerifyEpilogue and TargetVerifyExecutor (sglang 0.5.23) on the CPU.
+    return build_dspark(verify)
+
+
+def build_dspark(verify, max_bs: int = 16, stride: int = 4):
+    """A real DsparkVerifyEpilogue and TargetVerifyExecutor of `verify` (sglang 0.5.23's
+    dspark_verify, or a doctored copy of it) on the CPU.
 
     The TP group is an attribute holder for a single rank: SpecTpSync only reads
     world_size and rank_in_group from it at TP=1. The target worker is reduced to the
     one config field the executor reads (the model type)."""
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync
 
-    max_bs, stride = 16, 4
     tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
     epilogue = verify.DsparkVerifyEpilogue(max_bs=max_bs, verify_num_draft_tokens=stride, device="cpu", tp_sync=tp_sync)
     config = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(model_type="llama"))

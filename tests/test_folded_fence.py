@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from adapter import folded_fence, patching, runtime
+from adapter import accept_snapshot, fence_forms, folded_fence, patching, runtime
 from tests.conftest import Step, accept_kwargs
 from tests.doctored import DoctoredEngine, Drift, doctored_module
 
@@ -139,10 +139,10 @@ def test_eager_path_returns_what_it_returned_before(dspark):
     for name in FIELDS:
         assert torch.equal(getattr(before, name), getattr(after, name)), name
         assert getattr(before, name).dtype == getattr(after, name).dtype
-    # The wrapper hands the eager result through as the very same object.
-    marker = object()
+    # The wrapper hands an eager result that shares no buffer through as the very same object.
+    fresh = dspark.module.AcceptOuts(**{f: torch.arange(3) for f in FIELDS})
     fence = next(p.wrapper for p in plan.patches if p.where == "TargetVerifyExecutor.accept_and_finalize")
-    assert fence(lambda **kw: marker, None, (), {"folded_accept": False}) is marker
+    assert fence(lambda **kw: fresh, dspark.executor, (), {"folded_accept": False}) is fresh
 
 
 def test_applying_twice_wraps_once_and_revert_restores(verify):
@@ -251,9 +251,9 @@ def test_cheap_form_replicates_each_releases_folded_branch(release, notes):
 
     engine = None if release == "0.5.23" else SourceEngine(ENGINE_PATHS[release][0])
     wrapper = folded_wrapper(runtime.decide({folded_fence.FLAG: "1"}, engine, names=(folded_fence.NAME,)))
-    assert wrapper.func is folded_fence._folded_snapshot
-    assert wrapper.args[0] is notes
-    assert wrapper.args[1](types.SimpleNamespace(**{f"{f}_buf": f for f in FIELDS})) == FIELDS
+    assert isinstance(wrapper, fence_forms.CheapForm)
+    assert wrapper.notes is notes
+    assert wrapper.buffers(types.SimpleNamespace(**{f"{f}_buf": f for f in FIELDS})) == FIELDS
 
 
 def test_cheap_form_notes_the_static_verify_and_follows_a_replaced_buffer(dspark):
@@ -285,7 +285,7 @@ def test_drift_in_what_the_cheap_form_replicates_falls_back_to_copying_the_resul
     module = doctored_module(V, REPLICATION_DRIFTS[name], directory=tmp_path)
     decision = runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
     assert decision.outcomes[0].state == runtime.APPLIED
-    assert folded_wrapper(decision) is folded_fence._fence_folded_accept
+    assert folded_wrapper(decision) is folded_fence.GENERAL_FOLDED
 
 
 def test_keyword_only_struct_is_rebuilt_by_keyword(tmp_path):
@@ -294,13 +294,14 @@ def test_keyword_only_struct_is_rebuilt_by_keyword(tmp_path):
     decision = runtime.decide({folded_fence.FLAG: "1"}, DoctoredEngine({V: module}), names=(folded_fence.NAME,))
     assert decision.outcomes[0].state == runtime.APPLIED
     views = {f: torch.arange(3) for f in FIELDS}
-    copy = folded_fence.detach_accept(module.AcceptOuts(**views))
+    copy = accept_snapshot.detach(module.AcceptOuts(**views), FIELDS)
     assert type(copy) is module.AcceptOuts and all(torch.equal(getattr(copy, f), views[f]) for f in FIELDS)
 
 
-def test_struct_built_another_way_is_refused(tmp_path):
-    """A struct the copy cannot rebuild with one keyword per field (its own __init__): refused,
-    read from source the way doctor --engine reads it."""
+def test_struct_built_another_way_takes_the_general_form(tmp_path):
+    """A struct with its own __init__: the general form copies it without building it anew,
+    the cheap form (which builds it as read_accept does) is not used; read from source the
+    way doctor --engine reads it."""
     from adapter.source_engine import SourceEngine
 
     root = tmp_path / "engine"
@@ -311,8 +312,9 @@ def test_struct_built_another_way_is_refused(tmp_path):
     path.write_text(text.replace("    out_tokens: torch.Tensor\n",
                                  "    out_tokens: torch.Tensor\n\n    def __init__(self, *fields):\n        pass\n", 1))
     decision = runtime.decide({folded_fence.FLAG: "1"}, SourceEngine(root), names=(folded_fence.NAME,))
-    assert decision.outcomes[0].state == runtime.REFUSED
-    assert "AcceptOuts: is no longer built from one keyword per field (__init__)" in decision.outcomes[0].reason
+    assert decision.outcomes[0].state == runtime.APPLIED
+    assert "general form on TargetVerifyExecutor.accept_and_finalize: AcceptOuts runs code of its own" in decision.outcomes[0].reason
+    assert folded_wrapper(decision) is folded_fence.GENERAL_FOLDED
 
 
 def test_snapshot_that_copies_four_of_six_fields_is_not_taken_for_the_fix(tmp_path):
@@ -325,7 +327,7 @@ def test_snapshot_that_copies_four_of_six_fields_is_not_taken_for_the_fix(tmp_pa
     ))
     assert decision.outcomes[0].state == runtime.APPLIED
     assert "snapshot_accept is not shown to clone every field" in decision.outcomes[0].reason
-    assert folded_wrapper(decision) is folded_fence._fence_folded_accept
+    assert folded_wrapper(decision) is folded_fence.GENERAL_FOLDED
 
 
 # --- the boundary: results leaving the worker are checked, whatever route they took ---
@@ -372,5 +374,5 @@ def test_boundary_leaves_fresh_results_alone(dspark):
 
     fresh = torch.arange(4)
     result = GenerationBatchResult(accept_lens=fresh, next_draft_input=types.SimpleNamespace(bonus_tokens=fresh + 1))
-    assert fence_boundary.detach_escapes(result, dspark.epilogue) == []
+    assert fence_boundary.detach_escapes(result, dspark.epilogue) == (result, [])
     assert result.accept_lens is fresh

@@ -13,6 +13,7 @@ from adapter import ADAPTERS, metrics, runtime
 from tests.engines import metric_samples, served_metrics
 
 ROUTE = "DSparkWorkerV2Output.next_draft_input.accept_lens <- DsparkVerifyEpilogue.commit_lens_buf"
+SERVED_ROUTE = "SimpleNamespace.next_draft_input.accept_lens <- SimpleNamespace.commit_lens_buf"  # what rank_process copies
 RANKS = 3
 
 
@@ -25,8 +26,18 @@ def rank_process(rank: int) -> None:
     decision = runtime.apply_once(os.environ)
     assert not decision.refused, decision.reasons
     metrics.copy_mode("one-launch" if rank else "clones")
-    for _ in range(rank):  # rank r copies r results at the boundary
-        metrics.count_boundary_copy(ROUTE)
+    import types
+
+    import torch
+
+    from adapter import fence_boundary
+
+    # rank r hands r results holding a view of a verify buffer to the fence's boundary check
+    epilogue = types.SimpleNamespace(commit_lens_buf=torch.zeros(8, dtype=torch.int32))
+    for _ in range(rank):
+        result = types.SimpleNamespace(next_draft_input=types.SimpleNamespace(accept_lens=epilogue.commit_lens_buf[:4]))
+        _, routes = fence_boundary.detach_escapes(result, epilogue)
+        assert routes == [SERVED_ROUTE]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +79,7 @@ def test_the_fences_copy_and_boundary_copies_are_served(served):
         ("sglang_adapters:fence_copy_mode", (("mode", "one-launch"), ("rank", "1"))): 1.0,
         ("sglang_adapters:fence_copy_mode", (("mode", "one-launch"), ("rank", "2"))): 1.0}
     copies = metric_samples(served, "sglang_adapters:fence_boundary_copies_total")
-    assert copies == {("sglang_adapters:fence_boundary_copies_total", (("rank", str(r)), ("route", ROUTE))): float(r)
+    assert copies == {("sglang_adapters:fence_boundary_copies_total", (("rank", str(r)), ("route", SERVED_ROUTE))): float(r)
                       for r in (1, 2)}
 
 

@@ -1,0 +1,175 @@
+"""The fence's host (Python) cost per verify step on the CPU, before and after a change, in one run.
+
+    .venv/bin/python bench/fence_host_cost.py [--before REV] [--bs 8 64 256] [--calls 20000] [--reps 5]
+
+`before` is the pack's adapter/ module as of REV (read with `git show`, or from a folder
+holding that tree, loaded beside the tree's), `after` the working tree's. Variants, interleaved within each repetition:
+
+  boundary_*            fence_boundary.detach_escapes on a realistic DSpark decode result: the
+                        real sglang GenerationBatchResult (managers.utils) holding a
+                        LogitsProcessorOutput and the DFlashDraftInputV2 make_draft_input_v2
+                        builds, filled as the 0.5.23 worker fills it, all tensors fresh (the
+                        steady state: the fence already copied the accept), against a real
+                        DsparkVerifyEpilogue on the CPU
+  boundary_*_state      the same, an attribute of the epilogue rebound before every call (the
+                        engine's begin_step/begin_static_step do that when the batch changes)
+  boundary_*_logprobs   a result that also holds top-logprob lists (2 x bs x stride tensors),
+                        as compute_spec_logprobs leaves them when a request asks for them
+  cheap_*               the fence's cheap form on the real folded accept_and_finalize, trusted,
+                        with the copy itself stubbed out: the Python path only (the copy is
+                        one kernel launch on a GPU, measured by bench/fence_cost.py)
+  unfenced              the engine's folded accept_and_finalize, called directly
+
+Host time per call in microseconds, median of --reps repetitions of --calls calls. Figures
+move between runs on a shared machine: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from adapter import accept_snapshot, fence_boundary, folded_fence, runtime  # noqa: E402
+
+STRIDE = 4
+
+
+def module_at(rev: str, path: str):
+    """The pack's module `path` as of `rev` (a git revision, or a folder holding the old
+    tree, where git is not at hand), loaded under a name of its own inside the adapter
+    package (its relative imports get the tree's modules)."""
+    if pathlib.Path(rev).is_dir():
+        text = (pathlib.Path(rev) / path).read_text()
+    else:
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    module = types.ModuleType(f"adapter._{pathlib.Path(path).stem}_before")
+    module.__package__ = "adapter"
+    exec(compile(text, f"{rev}:{path}", "exec"), module.__dict__)
+    return module
+
+
+def dspark(max_bs: int):
+    """A real 0.5.23 DsparkVerifyEpilogue on the CPU and a TargetVerifyExecutor reading it."""
+    from sglang.srt.speculative.dspark_components import dspark_verify as verify
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+    tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
+    epilogue = verify.DsparkVerifyEpilogue(max_bs=max_bs, verify_num_draft_tokens=STRIDE, device="cpu", tp_sync=tp_sync)
+    executor = object.__new__(verify.TargetVerifyExecutor)  # the folded path reads only verify_epilogue
+    executor.verify_epilogue = epilogue
+    return verify, epilogue, executor
+
+
+def decode_result(bs: int, logprobs: bool = False, device="cpu"):
+    """A DSpark decode step's GenerationBatchResult, as dspark_worker_v2 (0.5.23) builds it."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+
+    ints = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
+    logits = LogitsProcessorOutput(next_token_logits=torch.zeros(bs * STRIDE, 32, device=device),
+                                   hidden_states=torch.zeros(bs * STRIDE, 16, device=device))
+    if logprobs:  # compute_spec_logprobs: per-row views of the top-k values and indices
+        top = torch.zeros(bs * STRIDE, 5, device=device)
+        logits.next_token_logprobs = torch.zeros(bs, STRIDE, device=device)
+        logits.next_token_top_logprobs_val = [top[i][:5] for i in range(bs * STRIDE)]
+        logits.next_token_top_logprobs_idx = [top[i][:5] for i in range(bs * STRIDE)]
+    return GenerationBatchResult(
+        logits_output=logits, next_token_ids=ints(bs * STRIDE), accept_lens=ints(bs), block_accept_lens=ints(bs),
+        cap_lens=None, can_run_cuda_graph=True, speculative_num_draft_tokens=STRIDE, new_seq_lens=ints(bs),
+        next_draft_input=make_draft_input_v2(bonus_tokens=ints(bs), new_seq_lens=ints(bs)),
+    )
+
+
+def folded_kwargs(bs: int) -> dict:
+    ids = torch.zeros(bs, STRIDE, dtype=torch.int64)
+    return dict(folded_accept=True, bs=bs, verify_ids_2d=ids, target_logits=None, draft_block=None, sampling_info=None,
+                draft_input=None, layout=None, prefix_lens=torch.zeros(bs, dtype=torch.int64), draft_tokens=ids[:, 1:])
+
+
+def boundary_variants(boundaries: dict, bs: int, max_bs: int) -> dict:
+    table = {}
+    for label, module in boundaries.items():
+        epilogue = dspark(max_bs)[1]
+        plain, with_logprobs = decode_result(bs), decode_result(bs, logprobs=True)
+
+        def rebound(m=module, e=epilogue, r=plain):
+            e._static_step_state = (bs, object())  # a new value, as when the batch changes
+            m.detach_escapes(r, e)
+
+        table[f"boundary_{label}"] = lambda m=module, e=epilogue, r=plain: m.detach_escapes(r, e)
+        table[f"boundary_{label}_state"] = rebound
+        table[f"boundary_{label}_logprobs"] = lambda m=module, e=epilogue, r=with_logprobs: m.detach_escapes(r, e)
+    return table
+
+
+def cheap_variants(before, bs: int, max_bs: int) -> dict:
+    """The cheap form before (a function of the old folded_fence) and after (the CheapForm the
+    runtime applies, trusted after its proofs), each around the engine's bound method."""
+    verify, epilogue, executor = dspark(max_bs)
+    wrapped, kwargs = verify.TargetVerifyExecutor.accept_and_finalize.__get__(executor), folded_kwargs(bs)
+    decision = runtime.decide({folded_fence.FLAG: "1"}, names=(folded_fence.NAME,))
+    form = next(p.wrapper for p in decision.plans[folded_fence.NAME].patches if p.name == "accept_and_finalize")
+    buffers = tuple(f"{name}_buf" for name in folded_fence.FIELDS)
+    old = before._folded_snapshot_for(True, buffers, verify.AcceptOuts)
+    for _ in range(3):
+        form(wrapped, executor, (), kwargs)  # the proofs
+    assert bs in form.trusted, "the cheap form was not trusted after its proofs"
+    return {"unfenced": lambda: wrapped(**kwargs),
+            "cheap_before": lambda: old(wrapped, executor, (), kwargs),
+            "cheap_after": lambda: form(wrapped, executor, (), kwargs)}
+
+
+def host_us(call, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", default="dcfd6ab",
+                        help="the revision (or a folder holding that tree) whose adapter/ modules are 'before'")
+    parser.add_argument("--bs", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    boundaries = {"before": module_at(args.before, "adapter/fence_boundary.py"), "after": fence_boundary}
+    before_fence = module_at(args.before, "adapter/folded_fence.py")
+    copy = accept_snapshot.snapshot
+    accept_snapshot.snapshot = lambda views: views  # the cheap form's copy stubbed: its Python path alone
+    print(f"fence host cost: us per call, median of {args.reps} x {args.calls} calls (CPU, torch {torch.__version__}); "
+          f"before = {args.before}, after = the working tree", flush=True)
+    rows = {}
+    try:
+        for bs in args.bs:
+            table = {**cheap_variants(before_fence, bs, max(args.bs)), **boundary_variants(boundaries, bs, max(args.bs))}
+            for call in table.values():  # warm-up
+                for _ in range(200):
+                    call()
+            samples = {name: [] for name in table}
+            for _ in range(args.reps):
+                for name, call in table.items():
+                    samples[name].append(host_us(call, args.calls))
+            rows[bs] = {name: statistics.median(values) for name, values in samples.items()}
+    finally:
+        accept_snapshot.snapshot = copy
+    print(f"{'variant':<26}" + "".join(f"{'bs=' + str(bs):>10}" for bs in args.bs))
+    for name in rows[args.bs[0]]:
+        print(f"{name:<26}" + "".join(f"{rows[bs][name]:>10.2f}" for bs in args.bs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
