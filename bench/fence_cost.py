@@ -160,7 +160,8 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
             assert first.correct_len.data_ptr() != second.correct_len.data_ptr(), f"{name}: memory reused"
     fenced(True)()
     wrapper = next(s.patch.wrapper for s in patching.applied() if s.name == ORIGINAL)
-    print(f"bs={bs}: the fence on accept_and_finalize is {getattr(wrapper, 'func', wrapper).__name__}", flush=True)
+    form = getattr(wrapper, "func", wrapper)
+    print(f"bs={bs}: the fence on accept_and_finalize is {getattr(form, '__name__', type(form).__name__)}", flush=True)
     unpatched()
     return table
 
