@@ -33,6 +33,7 @@ nothing is patched. Whatever is not shown is named in the Refused it raises.
 from __future__ import annotations
 
 import ast
+import bisect
 import contextlib
 import functools
 import inspect
@@ -219,21 +220,40 @@ def _function(contract: Contract, name: str) -> ast.FunctionDef:
     return found[0]
 
 
-def _stores(tree, attr: str, receiver=None) -> list:
-    """Assignments to `<x>.attr` (x's text `receiver` if given)."""
-    found = []
-    for node in ast.walk(tree):
-        targets = (node.targets if isinstance(node, ast.Assign) else
-                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-        for target in targets:
-            for t in ast.walk(target):
-                if isinstance(t, ast.Attribute) and t.attr == attr and (receiver is None or ast.unparse(t.value) == receiver):
-                    found.append(node)
-    return found
+def _stores(tree, attr: str, receiver: str) -> list:
+    """Assignments to `<receiver>.attr` in `tree`."""
+    return [node for node in ast.walk(tree) if _assigns(node, attr, receiver)]
+
+
+def _assigns(node, attr: str, receiver: str) -> bool:
+    """`node` is an assignment to `<receiver>.attr` (among its targets)."""
+    targets = (node.targets if isinstance(node, ast.Assign) else
+               [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+    return any(isinstance(t, ast.Attribute) and t.attr == attr and ast.unparse(t.value) == receiver
+               for target in targets for t in ast.walk(target))
 
 
 def _unparsed(statements) -> list[str]:
     return [ast.unparse(s) for s in statements]
+
+
+@functools.lru_cache(maxsize=64)
+def _relevant(text: str, needles: tuple) -> tuple:
+    """(node, parent) for the nodes of `text` whose lines hold one of `needles`, and the
+    nodes enclosing them; other subtrees are not visited (most of a large file)."""
+    lines = [n for n, line in enumerate(text.split("\n"), 1) if any(needle in line for needle in needles)]
+    found, stack = [], [(_tree(text), None)]
+    while stack:
+        node, parent = stack.pop()
+        first = getattr(node, "lineno", None)
+        if first is not None:
+            first = min([first, *(d.lineno for d in getattr(node, "decorator_list", ()))])
+            at = bisect.bisect_left(lines, first)
+            if at == len(lines) or lines[at] > (node.end_lineno or first):
+                continue
+        found.append((node, parent))
+        stack.extend((child, node) for child in ast.iter_child_nodes(node))
+    return tuple(found)
 
 
 # ---------------------------------------------------------------- the broadcast
@@ -391,13 +411,12 @@ _UNSET_GUARDS = (f"not envs.{ENGINE_FLAG}.is_set()", f"'{ENGINE_FLAG}' not in os
 def _writes_switch(node) -> bool:
     """`envs.SGLANG_SPEC_TP_SYNC.set/override(...)`, or os.environ written under that name."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        target = ast.unparse(node.func.value)
-        if node.func.attr in ("set", "override") and target.split(".")[-1] == ENGINE_FLAG:
+        if node.func.attr in ("set", "override") and _last_name(node.func.value) == ENGINE_FLAG:
             return True
         named = any(isinstance(a, ast.Constant) and a.value == ENGINE_FLAG for a in node.args)
         return named and node.func.attr in ("setdefault", "putenv", "pop", "__setitem__", "update")
     return (isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del))
-            and ast.unparse(node.slice) == repr(ENGINE_FLAG))
+            and isinstance(node.slice, ast.Constant) and node.slice.value == ENGINE_FLAG)
 
 
 def _guarded(node, parents) -> bool:
@@ -430,17 +449,24 @@ def _engine_scan(files: tuple) -> tuple:
     return tuple(problems), callers, tuple(writes)
 
 
+_NEEDLES = ("sync", "Sync", "SYNC", "setattr")
+
+
+def _last_name(node) -> Optional[str]:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
 @functools.lru_cache(maxsize=256)
 def _file_scan(module: str, data: bytes) -> tuple:
     """_engine_scan's findings in one file ((line, problem) pairs), by its text (the same
     file in another engine tree is read once)."""
     problems, callers, writes = [], 0, []
     try:
-        tree = ast.parse(data)
+        nodes = _relevant(data.decode("utf-8"), _NEEDLES)  # the parse the other checks of the file share
     except (SyntaxError, ValueError) as exc:
         return ((getattr(exc, "lineno", 0) or 0, "does not parse"),), 0, ()
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    for node in ast.walk(tree):
+    parents = dict(nodes)
+    for node, _ in nodes:
         line = getattr(node, "lineno", 0)
         if _writes_switch(node):
             value = node.args[0] if isinstance(node, ast.Call) and node.args else None
@@ -450,15 +476,15 @@ def _file_scan(module: str, data: bytes) -> tuple:
             else:
                 shown = repr(value.value) if isinstance(value, ast.Constant) else "a computed value"
                 writes.append((f"{module.rpartition('.')[2]}.py:{line}", shown))
-        elif isinstance(node, ast.ClassDef) and any(ast.unparse(b).split(".")[-1] == CLASS for b in node.bases):
+        elif isinstance(node, ast.ClassDef) and any(_last_name(b) == CLASS for b in node.bases):
             problems.append((line, f"subclasses {CLASS} ({node.name})"))
         elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
                 if isinstance(target, ast.Attribute) and (target.attr in _OWN and "tp_sync" in ast.unparse(target.value)
-                                                          or ast.unparse(target.value).split(".")[-1] == CLASS):
+                                                          or _last_name(target.value) == CLASS):
                     problems.append((line, f"assigns {ast.unparse(target)}"))
-        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and node.args and (
-                ast.unparse(node.args[0]).split(".")[-1] == CLASS or "tp_sync" in ast.unparse(node.args[0])):
+        elif isinstance(node, ast.Call) and _last_name(node.func) == "setattr" and node.args and (
+                _last_name(node.args[0]) == CLASS or "tp_sync" in ast.unparse(node.args[0])):
             problems.append((line, f"sets an attribute of {ast.unparse(node.args[0])}"))
         elif isinstance(node, ast.Attribute) and node.attr == "sync" and isinstance(node.ctx, ast.Load):
             call = parents.get(node)
@@ -652,7 +678,7 @@ def worker_groups(contract: Contract, engine) -> dict[str, str]:
         binding = getattr(module, CLASS, None)
         if (getattr(binding, "__module__", None), getattr(binding, "__qualname__", None)) != (MODULE, CLASS):
             raise found.refuse(CLASS, f"is not {MODULE}.{CLASS} in {name} ({binding!r})")
-        kept = _stores(_tree(found.source()), "_tp_sync", "self")
+        kept = [node for node, _ in _relevant(found.source(), ("_tp_sync",)) if _assigns(node, "_tp_sync", "self")]
         if built[0].function != f"{worker}.__init__" or len(kept) != 1 or ast.dump(kept[0].value) != ast.dump(built[0].node):
             raise found.refuse(f"{worker}.__init__", f"no longer builds its one self._tp_sync = {CLASS}(...)")
         group = ast.unparse(built[0].node.args[0])
