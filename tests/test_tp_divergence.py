@@ -274,4 +274,9 @@ def test_doctor_reports_the_sites(clean_env):
     assert (row["outcome"], row["engine_check"]["outcome"]) == ("applied", "applied")
     assert row["setting"] == {"every": 1000}
     assert "off: 17:dspark-draft" in row["reason"] and "handed over from DSV41_SPEC_TP_SYNC" in row["reason"]
+    # doctor names what was proven of the engine's SpecTpSync, and for which deployment
+    assert "shown from its source: SpecTpSync reads SGLANG_SPEC_TP_SYNC live" in row["reason"]
+    assert "for every deployment (server arguments unknown)" in row["reason"]
+    rank0 = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == "rank0_broadcast")
+    assert rank0["outcome"] == "superseded" and "sync(site, values) broadcasts `values` itself" in rank0["reason"]
     assert os.environ.get("SGLANG_SPEC_TP_SYNC") is None
