@@ -20,10 +20,17 @@ sampler probe runs inside `DSparkWorkerV2._draft_context()`, which swaps `_TP` f
 attn_tp_group (`parallel_state._TP_STATE_PATCHED`), and `get_parallel().tp_group` is
 a live read of that swapped `_TP`, so neither is used there.
 
-From 0.5.19 the engine does this itself; the adapter then reports superseded as
-long as the engine's own switch SGLANG_SPEC_TP_SYNC, as the engine will read it (the
-user's value, or what rank0_broadcast hands over), keeps sites 1 (dspark-mem) and
-12 (dflash-mem) on, and refuses otherwise.
+From 0.5.19 the engine probes through `SpecTpSync.available_memory_gb(site, ..., group=g)`,
+which reduces over g only when SpecTpSync keeps its sites, i.e. when the group it was built
+over (the one that runs a batch) has more than one rank. The adapter reports superseded
+where that is shown from the engine's source (adapter.upstream_sync.prove_probe) for a
+deployment whose topology is known and keeps the sites; elsewhere (DP attention with
+attention-TP 1, where DSpark's capture group can still span the TP group; or the topology
+unknown) it wraps that class method so the probe is the minimum over the group its caller
+passes (upstream's unreleased fix, sgl-project/sglang#39954). Either way it refuses when
+the engine's own switch SGLANG_SPEC_TP_SYNC, as the engine will read it (the user's value,
+what rank0_broadcast hands over, or what the engine sets itself where unset), leaves out
+site 1 (dspark-mem) or 12 (dflash-mem).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ ranks commit different token counts and the next collective hangs. Upstream 0.5.
 added `SpecTpSync`, which broadcasts every such decision from rank 0 before any state
 derives from it. This adapter does the same on 0.5.16 - 0.5.18 by wrapping the
 consumer bindings around each decision (HOOKS), and on 0.5.19+ hands its selection
-to the engine's own switch SGLANG_SPEC_TP_SYNC (superseded).
+to the engine's own switch SGLANG_SPEC_TP_SYNC (superseded where SpecTpSync is shown from
+its source to do the job: adapter.upstream_sync.prove_broadcast).
 
 The flag takes upstream's site grammar (adapter.sites); unset or an off word is off.
 The memory sites (1, 12) are served by DSV41_GROUP_MIN_MEM before 0.5.19, and the
