@@ -118,6 +118,12 @@ def references(engine, names) -> list[Reference]:
             gc.enable()
 
 
+def files_holding(engine, names) -> set:
+    """The engine's source files (module, path) whose text holds any of `names`."""
+    files = tuple(sorted((m, str(p)) for m, p in engine.files().items()))
+    return set().union(*_holding(files, tuple(sorted(set(names)))).values())
+
+
 _HOLDING: dict = {}  # file set -> {name: files whose text holds it}
 
 

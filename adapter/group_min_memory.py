@@ -20,10 +20,17 @@ sampler probe runs inside `DSparkWorkerV2._draft_context()`, which swaps `_TP` f
 attn_tp_group (`parallel_state._TP_STATE_PATCHED`), and `get_parallel().tp_group` is
 a live read of that swapped `_TP`, so neither is used there.
 
-From 0.5.19 the engine does this itself; the adapter then reports superseded as
-long as the engine's own switch SGLANG_SPEC_TP_SYNC, as the engine will read it (the
-user's value, or what rank0_broadcast hands over), keeps sites 1 (dspark-mem) and
-12 (dflash-mem) on, and refuses otherwise.
+From 0.5.19 the engine probes through `SpecTpSync.available_memory_gb(site, ..., group=g)`,
+which reduces over g only when SpecTpSync keeps its sites, i.e. when the group it was built
+over (the one that runs a batch) has more than one rank. The adapter reports superseded
+where that is shown from the engine's source (adapter.upstream_sync.prove_probe) for a
+deployment whose topology is known and keeps the sites; elsewhere (DP attention with
+attention-TP 1, where DSpark's capture group can still span the TP group; or the topology
+unknown) it wraps that class method so the probe is the minimum over the group its caller
+passes (upstream's unreleased fix, sgl-project/sglang#39954). Either way it refuses when
+the engine's own switch SGLANG_SPEC_TP_SYNC, as the engine will read it (the user's value,
+what rank0_broadcast hands over, or what the engine sets itself where unset), leaves out
+site 1 (dspark-mem) or 12 (dflash-mem).
 """
 
 from __future__ import annotations
@@ -38,9 +45,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from . import census, upstream_sync
-from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Plan, Refused, combine, sibling, target_modules
-from .flags import parse_switch
-from .sites import MEMORY, Site, labels
+from .contract import KEYWORD_ONLY, POSITIONAL, Contract, Hook, Patch, Plan, Refused, combine, sibling, target_modules
+from .flags import FlagError, parse_switch
+from .sites import MEMORY, Site, labels, parse_value
 
 NAME = "group_min_memory"
 FLAG = "DSV41_GROUP_MIN_MEM"
@@ -229,30 +236,71 @@ def _census(engine, consumers) -> None:
 # ---------------------------------------------------------------- upstream (0.5.19+)
 
 
-def check_upstream(module, context) -> Plan:
-    """The engine reduces the probes itself, and its switch (as the engine will read it)
-    keeps both memory sites on; else refuse: the probes would run per rank."""
+def _upstream_group_minimum(wrapped, instance, args, kwargs):
+    """Around SpecTpSync.available_memory_gb(site, device, gpu_id, *, group) (0.5.19+):
+    the minimum over `group` whenever it has more than one rank, through the engine helper
+    as the engine's own reduction calls it (upstream's unreleased fix keeps the configured
+    sites apart from the group SpecTpSync was built over, sgl-project/sglang#39954)."""
+    bound = _bound(wrapped, args, kwargs)
+    group = bound["group"]
+    if group is None or group.world_size <= 1:
+        return wrapped(*args, **kwargs)
+    helper = getattr(wrapped, "__func__", wrapped).__globals__[HELPER]  # proven the engine helper at decide time
+    COLLECTIVES[f"spec-tp-sync-{getattr(bound['site'], 'name', bound['site'])}"] += 1
+    return helper(bound["device"], bound["gpu_id"], distributed=True, cpu_group=group.cpu_group)
+
+
+def _bound(wrapped, args, kwargs) -> dict:
+    return inspect.signature(wrapped).bind(*args, **kwargs).arguments
+
+
+def _engine_choice(value: str):
+    """The sites a literal the engine sets selects (the pack's grammar, upstream's 0.5.22+);
+    None where it cannot be read."""
+    try:
+        return frozenset(int(s) for s in parse_value(ast.literal_eval(value)))
+    except (ValueError, SyntaxError, FlagError):
+        return None
+
+
+def check_upstream(engine, module, context) -> Plan:
+    """0.5.19+: superseded where the engine's own reduction is shown to reach the capture
+    group on this deployment; else the pack makes SpecTpSync's probe the minimum over the
+    group its caller passes. Refused when the engine's switch drops a memory site."""
     contract = Contract(NAME, module)
     contract.params(UPSTREAM_PROBE, {"site": POSITIONAL, "device": POSITIONAL, "gpu_id": POSITIONAL, "group": KEYWORD_ONLY})
-    reductions = [
-        c for c in contract.calls(HELPER, method=False)
-        if c.function == UPSTREAM_PROBE and {"distributed", "cpu_group"} <= {k.arg for k in c.node.keywords}
-    ]
-    if not reductions:
-        raise contract.refuse(UPSTREAM_PROBE, f"no longer calls {HELPER}(..., distributed=..., cpu_group=...)")
-    numbers = upstream_sync.engine_sites(contract)
-    for site in MEMORY:
-        if numbers.get(site.name) != int(site):
-            raise contract.refuse(f"SpecTpSyncSite.{site.name}", f"is {numbers.get(site.name)!r}, expected {int(site)}")
-    what, selected = upstream_sync.selected(contract, context)
-    missing = frozenset(s for s in MEMORY if int(s) not in selected)
-    if missing:
-        raise contract.refuse(
-            upstream_sync.ENGINE_FLAG,
-            f"{what} leaves out sites {labels(missing)}: the engine would then probe free memory per rank and "
-            f"{FLAG}=1 could not be kept; keep those sites on or switch {FLAG} off")
-    return Plan("superseded", f"the engine reduces the probes to the group minimum itself "
-                              f"({module.__name__}:{UPSTREAM_PROBE}); {what} keeps {labels(MEMORY)} on")
+    upstream_sync.memory_numbers(contract)
+    what, selected = upstream_sync.selected(contract, context, engine)
+    choices = [(what, selected)]
+    if upstream_sync.run_value(context) is None:  # what the engine may set itself where unset
+        choices += [(f"{upstream_sync.ENGINE_FLAG}={value} (set by the engine at {where})", _engine_choice(value))
+                    for where, value in upstream_sync.engine_writes(engine)]
+    for said, chosen in choices:
+        missing = frozenset(s for s in MEMORY if chosen is None or int(s) not in chosen)
+        if missing:
+            raise contract.refuse(
+                upstream_sync.ENGINE_FLAG,
+                f"{said} leaves out sites {labels(missing)}: the engine would then probe free memory per rank and "
+                f"{FLAG}=1 could not be kept; keep those sites on (set {upstream_sync.ENGINE_FLAG} yourself) or "
+                f"switch {FLAG} off")
+    where = upstream_sync.judged_for(context.topology)
+    try:
+        shown = upstream_sync.prove_probe(contract, engine, upstream_sync.run_value(context))
+        groups = upstream_sync.worker_groups(contract, engine)
+        why_not = upstream_sync.memory_reached(context.topology, groups)
+    except Refused as exc:
+        why_not = f"{exc.symbol}: {exc.problem}"
+    if why_not is None:
+        return Plan("superseded", f"the engine reduces the probes to the group minimum itself {where}, shown from its "
+                                  f"source: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}; {what} keeps "
+                                  f"{labels(MEMORY)} on")
+    helper = upstream_sync.prove_helper(contract, engine)  # what the pack's probe calls
+    owner = contract.attr(upstream_sync.CLASS)
+    return Plan("applied", f"{UPSTREAM_PROBE} made the minimum over the group its caller passes whenever that group "
+                           f"has more than one rank (upstream's unreleased fix, sgl-project/sglang#39954) {where}: the "
+                           f"engine's own reduction is not shown to reach the capture group ({why_not}); {helper}; "
+                           f"{what} keeps {labels(MEMORY)} on",
+                [Patch(owner, "available_memory_gb", _upstream_group_minimum)])
 
 
 def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
@@ -263,6 +311,8 @@ def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
         first = found.node.args[0] if found.node.args else None
         if not (isinstance(first, ast.Attribute) and first.attr == probe.site.name):
             raise contract.refuse(probe.function, f"line {found.line} no longer probes site {probe.site.name}")
+        if len(found.node.args) != 3 or [k.arg for k in found.node.keywords] != ["group"]:
+            raise contract.refuse(probe.function, f"line {found.line} no longer passes (site, device, gpu_id, group=...)")
     if asked:
         contract.only_used_in("available_memory_gb", (probe.function,), attribute=True)
         return Plan("superseded", f"{probe.function} probes through {upstream_sync.MODULE}:{UPSTREAM_PROBE}({probe.site.name})")
@@ -319,11 +369,12 @@ def _module_plan(module) -> Plan:
 def check(engine, enabled: bool, context) -> Plan:
     """What making every probe a group minimum takes on `engine`; patches nothing."""
     modules = target_modules(NAME, engine, TARGETS)
-    plans = [check_upstream(modules.pop(upstream_sync.MODULE), context)] if upstream_sync.MODULE in modules else []
+    plans = [check_upstream(engine, modules.pop(upstream_sync.MODULE), context)] if upstream_sync.MODULE in modules else []
     consumers = {name: _module_plan(module) for name, module in modules.items()}
     if not plans and any(p.state == "superseded" for p in consumers.values()):
         raise Refused(NAME, upstream_sync.MODULE, "is missing, yet a consumer probes through it", engine.version)
     plan = combine(NAME, engine.version, plans + list(consumers.values()))
-    if plan.state == "applied":
-        _census(engine, [name for name, p in consumers.items() if p.state == "applied"])
+    applied = [name for name, p in consumers.items() if p.state == "applied"]
+    if applied:  # the helper's bindings wrapped (0.5.16-0.5.18); from 0.5.19 the class method, every caller's
+        _census(engine, applied)
     return plan

@@ -6,7 +6,8 @@ ranks commit different token counts and the next collective hangs. Upstream 0.5.
 added `SpecTpSync`, which broadcasts every such decision from rank 0 before any state
 derives from it. This adapter does the same on 0.5.16 - 0.5.18 by wrapping the
 consumer bindings around each decision (HOOKS), and on 0.5.19+ hands its selection
-to the engine's own switch SGLANG_SPEC_TP_SYNC (superseded).
+to the engine's own switch SGLANG_SPEC_TP_SYNC (superseded where SpecTpSync is shown from
+its source to do the job: adapter.upstream_sync.prove_broadcast).
 
 The flag takes upstream's site grammar (adapter.sites); unset or an off word is off.
 The memory sites (1, 12) are served by DSV41_GROUP_MIN_MEM before 0.5.19, and the
@@ -156,6 +157,7 @@ def _recorder(family):
 # ---------------------------------------------------------------- declaration
 
 K = KEYWORD_ONLY
+CLASS = upstream_sync.CLASS
 PROPOSE, FORWARD = ("DraftBlockProposer.propose",), ("DFlashWorkerV2.forward_batch_generation",)
 HOOKS = (
     Hook(DRAFT, "sample_draft_block", _eager_draft, {"markov_head": K, "base_logits": K}, PROPOSE,
@@ -288,34 +290,66 @@ def _numbers(sites) -> str:
     return ",".join(str(n) for n in sorted(sites)) or "none"
 
 
-def _handover(module, sites: frozenset, context) -> Plan:
+def _memory_off(context) -> str:
+    """What to add where DSV41_GROUP_MIN_MEM serves the memory sites and is off."""
+    return "" if context.settings.get("group_min_memory") else \
+        ", which is off: switch it on (DSV41_GROUP_MIN_MEM=1) to cover them"
+
+
+def _memory_unreached(contract, engine, run_with, topology, groups):
+    """Why the engine's own probe is not shown to reduce the memory sites (None: shown)."""
+    try:
+        upstream_sync.prove_probe(contract, engine, run_with)
+    except Refused as exc:
+        return f"{exc.symbol}: {exc.problem}"
+    return upstream_sync.memory_reached(topology, groups)
+
+
+def _handover(engine, module, sites: frozenset, context) -> Plan:
+    """0.5.19+: the engine's SpecTpSync does the job where it is shown to, for the
+    deployment's topology; the selection is handed to SGLANG_SPEC_TP_SYNC."""
     contract = Contract(NAME, module)
     mapped = upstream_sync.to_engine(contract, sites)
     value = ",".join(str(n) for n in sorted(mapped))
-    detail = f"{module.__name__}.SpecTpSync broadcasts these decisions itself; {FLAG} handed to {upstream_sync.ENGINE_FLAG}"
     theirs = context.environ.get(upstream_sync.ENGINE_FLAG)
+    if theirs is not None:
+        their_sites = upstream_sync.parse_user_value(contract, theirs)
+        if their_sites != mapped:
+            raise contract.refuse(
+                upstream_sync.ENGINE_FLAG,
+                f"={theirs!r} selects sites {_numbers(their_sites)} but {FLAG}={context.environ.get(FLAG)!r} selects "
+                f"{_numbers(mapped)}; set one of them or make them agree")
+    shown = upstream_sync.prove_broadcast(contract, engine, value if theirs is None else theirs)
+    groups = upstream_sync.worker_groups(contract, engine)
+    topology, memory = context.topology, sites & MEMORY
+    where = upstream_sync.judged_for(topology)
+    unreached = _memory_unreached(contract, engine, value if theirs is None else theirs, topology, groups) \
+        if memory else None
+    if unreached and not sites - MEMORY:
+        raise contract.refuse(CLASS, f"{FLAG} selects only {labels(memory)}, whose probes the engine is not shown to "
+                                     f"reduce {where}: {unreached}; unset {FLAG} and switch on DSV41_GROUP_MIN_MEM=1, "
+                                     "which makes those probes the group minimum")
+    alone = topology is not None and topology.batch_group_size == 1
+    detail = (f"{module.__name__}.{CLASS} broadcasts these decisions itself {where}"
+              + (" (one rank runs each batch there: nothing to broadcast)" if alone else "")
+              + f", shown from its source: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}"
+              + (f"; sites {labels(memory)} are not shown to be reduced there ({unreached}): DSV41_GROUP_MIN_MEM "
+                 f"serves them{_memory_off(context)}" if unreached else ""))
+    handed = f"{FLAG} handed to {upstream_sync.ENGINE_FLAG}"
     if theirs is None:
-        return Plan("superseded", f"{detail}={value!r}", env={upstream_sync.ENGINE_FLAG: value})
-    their_sites = upstream_sync.parse_user_value(contract, theirs)
-    if their_sites != mapped:
-        raise contract.refuse(
-            upstream_sync.ENGINE_FLAG,
-            f"={theirs!r} selects sites {_numbers(their_sites)} but {FLAG}={context.environ.get(FLAG)!r} selects "
-            f"{_numbers(mapped)}; set one of them or make them agree")
-    return Plan("superseded", f"{detail} (already set to the same sites)")
+        return Plan("superseded", f"{detail}; {handed}={value!r}", env={upstream_sync.ENGINE_FLAG: value})
+    return Plan("superseded", f"{detail}; {handed} (already set to the same sites)")
 
 
 def check(engine, sites: frozenset, context) -> Plan:
     """What broadcasting `sites` from rank 0 takes on `engine`; patches nothing."""
     modules = target_modules(NAME, engine, TARGETS)
     if upstream_sync.MODULE in modules:
-        return _handover(modules[upstream_sync.MODULE], sites, context)
+        return _handover(engine, modules[upstream_sync.MODULE], sites, context)
     patchable = sites - SERVED_ELSEWHERE.keys()
     uncovered = sites & MEMORY
-    memory_on = bool(context.settings.get("group_min_memory"))
-    note = "" if not uncovered else (
-        f"; sites {labels(uncovered)} are served by DSV41_GROUP_MIN_MEM on this release"
-        + ("" if memory_on else ", which is off: switch it on (DSV41_GROUP_MIN_MEM=1) to cover them"))
+    note = "" if not uncovered else \
+        f"; sites {labels(uncovered)} are served by DSV41_GROUP_MIN_MEM on this release{_memory_off(context)}"
     if not patchable:
         served = "; ".join(f"{s.label} by {SERVED_ELSEWHERE[s]}" for s in sorted(sites))
         raise Refused(NAME, FLAG, f"selects no site this adapter broadcasts on this release ({served}): "

@@ -15,7 +15,6 @@ no value: nothing to compare there. The broadcast values are left as they were.
 
 from __future__ import annotations
 
-import ast
 import functools
 import os
 from collections.abc import Mapping
@@ -103,29 +102,35 @@ def _compare_sync(every, wrapped, instance, args, kwargs):
 # ---------------------------------------------------------------- declaration
 
 
-def _in_place_broadcast(contract: Contract) -> None:
-    """SpecTpSync.sync broadcasts `values` in place and returns it: the wrapper keeps a copy
-    of the caller's value before and compares it with what sync returns."""
-    contract.params("SpecTpSync.sync", {"site": POSITIONAL, "values": POSITIONAL})
-    contract.params("SpecTpSync.enabled", {"site": POSITIONAL})
-    tree = ast.parse(contract.function_source("SpecTpSync.sync").strip())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr == "broadcast"]
-    returns = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
-    first = calls[0].args[0] if len(calls) == 1 and calls[0].args else None
-    in_place = isinstance(first, ast.Name) and first.id == "values"
-    if not in_place or not returns or not all(isinstance(r.value, ast.Name) and r.value.id == "values" for r in returns):
-        raise contract.refuse("SpecTpSync.sync", "no longer broadcasts `values` in place and returns it; "
-                                                 "the comparison would not see rank 0's value")
+def _one_rank(context, engine) -> None:
+    """Refused where one rank runs each batch: nothing is broadcast there (the engine's
+    SpecTpSync keeps no site in a group of one rank, the pack's broadcast is a no-op)."""
+    topology = context.topology
+    if topology is not None and topology.batch_group_size == 1:
+        raise Refused(NAME, FLAG, f"one rank runs each batch {upstream_sync.judged_for(topology)}: no site is "
+                                  f"broadcast there, so there is nothing to compare; unset {FLAG}", engine.version)
 
 
-def _engine_plan(module, setting: Setting, context) -> Plan:
+def _when(context) -> str:
+    """The deployment the report is judged for, and what a rank with one rank per batch does."""
+    if context.topology is not None:
+        return upstream_sync.judged_for(context.topology)
+    return (f"{upstream_sync.judged_for(None)}; a rank where one rank runs each batch (TP 1, or DP attention with "
+            "attention-TP 1) refuses: nothing is broadcast there")
+
+
+def _engine_plan(engine, module, setting: Setting, context) -> Plan:
+    """0.5.19+: SpecTpSync.sync, shown to broadcast `values` in place from rank 0 and
+    return it at the sites it selects (the wrapper keeps a copy of the caller's value
+    before and compares it with what sync returns)."""
     contract = Contract(NAME, module)
-    _in_place_broadcast(contract)
+    _one_rank(context, engine)
     names = {number: name for name, number in upstream_sync.engine_sites(contract).items()}
     if max(names) >= divergence.ROWS:
         raise contract.refuse("SpecTpSyncSite", f"numbers reach {max(names)}; the counters hold {divergence.ROWS} rows")
-    what, selected = upstream_sync.selected(contract, context)
+    what, selected = upstream_sync.selected(contract, context, engine)
+    shown = upstream_sync.prove_broadcast(contract, engine, upstream_sync.run_value(context))
+    groups = upstream_sync.worker_groups(contract, engine)
     memory = {int(s) for s in NOT_COMPARED}
     compared = sorted(n for n in selected if n not in memory)
     # Labelled from the engine's own names: it may number sites the pack's Site does not know.
@@ -137,7 +142,8 @@ def _engine_plan(module, setting: Setting, context) -> Plan:
     detail = (f"compares {', '.join(label(n) for n in compared)} at {module.__name__}.SpecTpSync.sync, as {what} "
               f"selects; not compared: {', '.join(label(n) for n in sorted(memory & set(names)))} ({MEMORY_WHY})"
               + (f"; off: {', '.join(label(n) for n in off)}" if off else "")
-              + f"; report every {setting.every} calls and at exit")
+              + f"; report every {setting.every} calls and at exit, {_when(context)}; shown from its source: "
+              + "; ".join(shown) + f"; {upstream_sync.describe_groups(groups)}")
     owner = contract.attr("SpecTpSync")
     return Plan("applied", detail, [Patch(owner, "sync", functools.partial(_compare_sync, setting.every))])
 
@@ -149,6 +155,7 @@ def _pack_plan(engine, setting: Setting, context) -> Plan:
     from .rank0_broadcast import FLAG as SELECTOR, SERVED_ELSEWHERE
 
     selected = context.settings.get("rank0_broadcast")
+    _one_rank(context, engine)
     if not selected:
         raise Refused(NAME, FLAG, f"no site is broadcast on this release while {SELECTOR} is off: there is nothing "
                                   f"to compare; switch {SELECTOR} on (e.g. all) or unset {FLAG}", engine.version)
@@ -162,7 +169,7 @@ def _pack_plan(engine, setting: Setting, context) -> Plan:
     off = frozenset(Site) - compared - NOT_COMPARED_BEFORE_19.keys()
     detail = (f"compares {labels(compared)} at the pack's broadcast ({PACK_BROADCAST}.broadcast); not compared: "
               f"{skipped}" + (f"; off in {SELECTOR}: {labels(off)}" if off else "")
-              + f"; report every {setting.every} calls and at exit")
+              + f"; report every {setting.every} calls and at exit, {_when(context)}")
     return Plan("applied", detail,
                 [Patch(pack.module, "broadcast", functools.partial(_compare_broadcast, setting.every))])
 
@@ -171,6 +178,6 @@ def check(engine, setting: Setting, context) -> Plan:
     """What comparing every active broadcast site takes on `engine`; patches nothing."""
     modules = target_modules(NAME, engine, ((upstream_sync.MODULE, False),))
     if upstream_sync.MODULE in modules:
-        return _engine_plan(modules[upstream_sync.MODULE], setting, context)
+        return _engine_plan(engine, modules[upstream_sync.MODULE], setting, context)
     return _pack_plan(engine, setting, context)
 

@@ -141,12 +141,18 @@ def test_the_cases_of_the_issue(table):
                               "tp_divergence": "off"}
     assert "1:dspark-mem by DSV41_GROUP_MIN_MEM" in init["reasons"]["rank0_broadcast"]
     # The divergence report compares what is broadcast: on 0.5.18 the pack's selection, on
-    # 0.5.23 the engine's (its default 'all' when the pack hands nothing over).
+    # 0.5.23 the engine's (its default 'all' when the pack hands nothing over). Judged without the
+    # server arguments, 0.5.23 refuses the hand-over of `init` (only the memory sites, which the
+    # engine's probe does not reduce under DP attention with attention-TP 1): nothing is handed
+    # over, the launch is refused by rank0_broadcast, and the report alone would compare 'all'.
     for side in ("installed", "sources"):
         states = {(release, sel): row(table, release, side, DSV41_SPEC_TP_SYNC=sel, DSV41_TP_DIVERGENCE="1")
                   ["states"]["tp_divergence"] for release in ("0.5.18", "0.5.23") for sel in (None, "all", "off", "init")}
         assert states == {("0.5.18", None): "refused", ("0.5.18", "all"): "applied", ("0.5.18", "off"): "refused",
                           ("0.5.18", "init"): "refused", ("0.5.23", None): "applied", ("0.5.23", "all"): "applied",
-                          ("0.5.23", "off"): "applied", ("0.5.23", "init"): "refused"}, side
+                          ("0.5.23", "off"): "applied", ("0.5.23", "init"): "applied"}, side
+        init23 = row(table, "0.5.23", side, DSV41_SPEC_TP_SYNC="init", DSV41_TP_DIVERGENCE="1")
+        assert init23["states"]["rank0_broadcast"] == "refused" and init23["launch_refused"] and init23["doctor_failed"]
+        assert "DSV41_GROUP_MIN_MEM=1" in init23["reasons"]["rank0_broadcast"]
     # 0.5.16 cannot cover the folded draft: "all" is refused, naming the way out.
     assert "all,-dspark-draft" in row(table, "0.5.16", "sources", DSV41_SPEC_TP_SYNC="all")["reasons"]["rank0_broadcast"]

@@ -9,9 +9,16 @@ collectives. The adapter makes each probe return the group minimum.
   memory per rank injected at the helper's device query; the real decision functions
   disagree without the adapter and agree (on the group minimum) with it. In-process
   checks and drift on doctored copies run in a 0.5.18 subprocess.
-- 0.5.23 (the venv's engine): superseded by SpecTpSync.available_memory_gb, refused
-  when SGLANG_SPEC_TP_SYNC (the user's, or what DSV41_SPEC_TP_SYNC hands over) drops
-  the memory sites, refused on doctored upstream code.
+- 0.5.23 (the venv's engine): superseded by SpecTpSync.available_memory_gb where it is
+  shown to reach the capture group for the deployment (a known topology whose batch group
+  has more than one rank); applied by the pack (SpecTpSync.available_memory_gb made the
+  group minimum) where it is not: DP attention with attention-TP 1, or the deployment
+  unknown (issue 22); refused when SGLANG_SPEC_TP_SYNC (the user's, or what
+  DSV41_SPEC_TP_SYNC hands over) drops the memory sites, refused on doctored consumers.
+  On real gloo ranks with 0.5.23's own SpecTpSync, GroupCoordinators and the workers'
+  init_cuda_graphs: a one-rank attention-TP group inside a larger capture group, unequal
+  free memory: the ranks' capture decisions differ unpatched and agree with the pack.
+  Doctored copies of SpecTpSync itself: tests/test_spec_tp_sync_proof.py.
 """
 
 from __future__ import annotations
@@ -26,19 +33,25 @@ import pytest
 from adapter import group_min_memory as gm
 from adapter import patching, runtime, upstream_sync
 from adapter.flags import FlagError
+from adapter.topology import REPRESENTATIVE
 from tests import mem_cases
 from tests.doctored import DoctoredEngine, Drift
 from tests.engines import ROOT, engine_env, python
 from tests.ranks import run_ranks
+from tests.tp_nccl_cases import spawn_ranks
 
 ON = {gm.FLAG: "1"}
 ONLY = (gm.NAME,)
 ENGINE_FLAG = upstream_sync.ENGINE_FLAG  # SGLANG_SPEC_TP_SYNC
 
 
-def decide(environ, engine=None):
-    """This adapter's outcome for `environ`, every other adapter left out."""
-    return runtime.decide(environ, engine, names=ONLY).outcomes[0]
+TP4, DP4, DP2 = REPRESENTATIVE["tp"], REPRESENTATIVE["dp-attention-tp1"], REPRESENTATIVE["dp-attention-tp2"]
+
+
+def decide(environ, engine=None, topology=TP4):
+    """This adapter's outcome for `environ`, every other adapter left out (TP 4 by default:
+    a deployment where the engine's own reduction is shown to reach the capture group)."""
+    return runtime.decide(environ, engine, names=ONLY, topology=topology).outcomes[0]
 
 
 @pytest.fixture(autouse=True)
@@ -230,10 +243,11 @@ def test_0_5_23_superseded(no_engine_switch):
     import sglang.srt.utils.common as common
 
     helper = common.get_available_gpu_memory
-    decision = runtime.decide(ON, names=ONLY)
+    decision = runtime.decide(ON, names=ONLY, topology=TP4)
     outcome = decision.outcomes[0]
     assert outcome.state == runtime.SUPERSEDED, outcome.reason
-    assert "spec_tp_sync:SpecTpSync.available_memory_gb" in outcome.reason
+    assert "for TP 4, no DP attention, shown from its source" in outcome.reason
+    assert "SpecTpSync.available_memory_gb(site, ..., group=g) calls the engine helper" in outcome.reason
     assert "1:dspark-mem" in outcome.reason and "12:dflash-mem" in outcome.reason
     # both capture gates probe through the engine's own reduction; folded sampling AUTO is gone since 0.5.22
     assert "DSparkWorkerV2.init_cuda_graphs probes through" in outcome.reason and "(DSPARK_MEM)" in outcome.reason
@@ -245,6 +259,30 @@ def test_0_5_23_superseded(no_engine_switch):
     assert patching.applied() == [] and ENGINE_FLAG not in os.environ
     assert common.get_available_gpu_memory is helper
     assert all(gm.HELPER not in vars(importlib.import_module(name)) for name in CONSUMERS)
+
+
+@pytest.mark.parametrize("topology,state", [(TP4, runtime.SUPERSEDED), (DP2, runtime.SUPERSEDED),
+                                            (DP4, runtime.APPLIED), (None, runtime.APPLIED)],
+                         ids=["tp4", "dp2xattn-tp2", "dp4xattn-tp1", "unknown"])
+def test_0_5_23_by_topology(no_engine_switch, topology, state):
+    """Superseded only where the deployment is known and the engine's SpecTpSync keeps its
+    sites; else the pack wraps SpecTpSync.available_memory_gb (a class attribute), nothing else."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+    original = vars(SpecTpSync)["available_memory_gb"]
+    decision = runtime.decide(ON, names=ONLY, topology=topology)
+    outcome = decision.outcomes[0]
+    assert outcome.state == state, outcome.reason
+    assert upstream_sync.judged_for(topology) in outcome.reason
+    runtime.apply(decision)
+    if state == runtime.APPLIED:
+        assert [(s.owner, s.name) for s in patching.applied()] == [(SpecTpSync, "available_memory_gb")]
+        assert vars(SpecTpSync)["available_memory_gb"].__wrapped__ is original
+        assert "upstream's unreleased fix, sgl-project/sglang#39954" in outcome.reason
+    else:
+        assert patching.applied() == []
+    runtime.revert()
+    assert vars(SpecTpSync)["available_memory_gb"] is original and ENGINE_FLAG not in os.environ
 
 
 @pytest.mark.parametrize("spec", ["init", "rng", "all,-dflash-selector", "1,12"])
@@ -329,19 +367,98 @@ def test_0_5_23_selector_off_keeps_the_users_engine_switch(monkeypatch):
 DRIFT_0_5_23 = [
     Drift(upstream_sync.MODULE, "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, *, group):",
           "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, group):", gm.UPSTREAM_PROBE),
-    Drift(upstream_sync.MODULE, "            cpu_group=group.cpu_group if distributed else None,\n", "",
-          gm.UPSTREAM_PROBE),
     Drift(gm.DSPARK_WORKER, "            SpecTpSyncSite.DSPARK_MEM,\n", "            SpecTpSyncSite.DSPARK_PLAN,\n",
           "DSparkWorkerV2.init_cuda_graphs"),
+    Drift(gm.DFLASH_WORKER, "                    group=get_parallel().tp_group,\n", "",
+          "DFlashWorkerV2.init_cuda_graphs"),
 ]
 
 
 @pytest.mark.parametrize("drift", DRIFT_0_5_23, ids=lambda d: f"{d.module.rpartition('.')[2]}:{d.symbol}")
 def test_0_5_23_drift_refused(drift):
     assert decide(ON).state == runtime.SUPERSEDED  # the real engine
-    outcome = drift.outcome(gm, "1")
+    outcome = runtime.decide(ON, drift.engine(), names=ONLY, topology=TP4).outcomes[0]
     assert outcome.state == runtime.REFUSED
     assert f"{drift.module}:{drift.symbol}:" in outcome.reason and "0.5.23" in outcome.reason
+
+
+def test_0_5_23_probe_not_shown_is_applied_by_the_pack():
+    """The engine's probe no longer reduces over the group it is given: the pack's own group
+    minimum takes its place, naming what was not shown."""
+    drift = Drift(upstream_sync.MODULE, "            cpu_group=group.cpu_group if distributed else None,\n", "",
+                  gm.UPSTREAM_PROBE)
+    outcome = runtime.decide(ON, drift.engine(), names=ONLY, topology=TP4).outcomes[0]
+    assert outcome.state == runtime.APPLIED, outcome.reason
+    assert f"({upstream_sync.MODULE}:{gm.UPSTREAM_PROBE}: reduces over None" in outcome.reason
+
+
+# ---------------------------------------------------------------- 0.5.23: ranks (issue 22)
+
+FREES = [0.6, 8.0]  # rank 0 below the 1 GB capture gate, rank 1 well above
+
+
+@pytest.fixture(scope="module")
+def dp_attention_ranks():
+    """DP 2 x attention-TP 1: SpecTpSync over a one-rank group, the MoE draft's capture group
+    the whole TP group (2 ranks)."""
+    return spawn_ranks(2, "tests.mem23_cases:capture_case", nccl=False, timeout=300,
+                       kwargs={"attn_tp": 1, "frees_gb": FREES, "decide_with": [None, [2, 2]]})
+
+
+def runs(ranks, label, key):
+    return [r["runs"][label][key] for r in ranks]
+
+
+def test_0_5_23_dp_attention_ranks_disagree_unpatched(dp_attention_ranks):
+    ranks = dp_attention_ranks
+    for r in ranks:
+        assert r["init_lines"] == [True, True]  # the worker builds both groups as the case does
+        assert r["groups"] == {"spec_tp_sync": 1, "draft_graph": 2}
+    # the engine's probe stays per rank: each sees its own free memory, and they decide differently
+    assert runs(ranks, "unpatched", "probe_gb") == FREES
+    assert runs(ranks, "unpatched", "dspark_capture") == [False, True]
+    assert runs(ranks, "unpatched", "dspark_all_reduce") == [[], []]
+
+
+def test_0_5_23_dp_attention_ranks_agree_with_the_pack(dp_attention_ranks):
+    ranks = dp_attention_ranks
+    for label in ("None", "[2, 2]"):  # the deployment unknown, or DP 2 x attention-TP 1
+        assert runs(ranks, label, "state") == [runtime.APPLIED] * 2
+        assert runs(ranks, label, "probe_gb") == [min(FREES)] * 2
+        assert runs(ranks, label, "dspark_capture") == [False, False]
+        # one all_reduce(MIN) per probe, over the group the worker passes
+        assert runs(ranks, label, "dspark_all_reduce") == [["RedOpType.MIN"]] * 2
+        assert runs(ranks, label, "pack_collectives") == [{"spec-tp-sync-DSPARK_MEM": 1}] * 2
+    assert "for TP 2, DP attention 2 x attention-TP 1" in ranks[0]["reasons"]["[2, 2]"]
+    # DFlash keeps its draft eager under DP attention before it would probe (0.5.20 - 0.5.23)
+    for label in ("unpatched", "None", "[2, 2]"):
+        assert runs(ranks, label, "dflash_capture") == [False, False]
+        assert runs(ranks, label, "dflash_all_reduce") == [[], []]
+
+
+def test_0_5_23_without_dp_attention_the_engine_reduces():
+    """TP 2, no DP attention: the engine's own SpecTpSync reduces (superseded); unknown
+    deployment: the pack's probe takes its place with the same one collective."""
+    ranks = spawn_ranks(2, "tests.mem23_cases:capture_case", nccl=False, timeout=300,
+                        kwargs={"attn_tp": 2, "frees_gb": FREES, "decide_with": [None, [2, 1]]})
+    assert [r["groups"] for r in ranks] == [{"spec_tp_sync": 2, "draft_graph": 2}] * 2
+    assert runs(ranks, "[2, 1]", "state") == [runtime.SUPERSEDED] * 2
+    for label in ("unpatched", "None", "[2, 1]"):
+        assert runs(ranks, label, "probe_gb") == [min(FREES)] * 2
+        for worker in ("dspark", "dflash"):
+            assert runs(ranks, label, f"{worker}_capture") == [False, False]
+            assert runs(ranks, label, f"{worker}_all_reduce") == [["RedOpType.MIN"]] * 2
+    assert runs(ranks, "[2, 1]", "pack_collectives") == [{}, {}]
+
+
+def test_0_5_23_four_ranks_dp_attention():
+    """DP 4 x attention-TP 1: one rank short of memory among four."""
+    frees = [8.0, 8.0, 0.6, 8.0]
+    ranks = spawn_ranks(4, "tests.mem23_cases:capture_case", nccl=False, timeout=400,
+                        kwargs={"attn_tp": 1, "frees_gb": frees, "decide_with": [[4, 4]]})
+    assert runs(ranks, "unpatched", "dspark_capture") == [True, True, False, True]
+    assert runs(ranks, "[4, 4]", "dspark_capture") == [False] * 4
+    assert runs(ranks, "[4, 4]", "probe_gb") == [0.6] * 4
 
 
 def test_0_5_23_missing_consumer_module_refused():

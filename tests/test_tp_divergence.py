@@ -12,6 +12,7 @@ import pytest
 from adapter import divergence, runtime
 from adapter import tp_divergence as t
 from adapter.flags import FlagError
+from adapter.topology import REPRESENTATIVE
 from tests.doctored import Drift
 from tests.engines import metric_samples, served_metrics
 from tests.ranks import run_ranks
@@ -23,6 +24,7 @@ SYNC = "sglang.srt.speculative.spec_tp_sync"
 ENGINE_CALLS = {"17:dspark-draft": 3, "8:dspark-accept-greedy": 3, "11:dspark-target": 1, "15:dflash-accept-greedy": 1}
 # elements one skewed step changes on rank 1, per skewed site
 ENGINE_SKEWS = {"dspark-accept-greedy": 1, "dflash-accept-greedy": 2, "dspark-draft": 1}
+TP4 = REPRESENTATIVE["tp"]
 PACK_CALLS = {"17:dspark-draft": 3, "8:dspark-accept-greedy": 1, "15:dflash-accept-greedy": 1, "16:dflash-target": 1}
 
 
@@ -197,7 +199,7 @@ def test_on_0523_wraps_spec_tp_sync_and_names_the_sites(clean_env):
     original = vars(SpecTpSync)["sync"]
     decision, outcome = decide({t.FLAG: "1"})
     assert outcome.state == runtime.APPLIED
-    assert "SGLANG_SPEC_TP_SYNC unset (default 'all')" in outcome.reason
+    assert "SGLANG_SPEC_TP_SYNC unset (default 'all'; the engine sets 'rng' itself where it is unset (minimax_m3.py:" in outcome.reason
     assert "not compared: 1:dspark-mem, 12:dflash-mem" in outcome.reason and "off:" not in outcome.reason
     runtime.apply(decision)
     assert vars(SpecTpSync)["sync"].__wrapped__ is original
@@ -214,7 +216,10 @@ def test_on_0523_wraps_spec_tp_sync_and_names_the_sites(clean_env):
 @pytest.mark.parametrize("environ", [{"SGLANG_SPEC_TP_SYNC": "init"}, {"SGLANG_SPEC_TP_SYNC": "off"},
                                      {"DSV41_SPEC_TP_SYNC": "init"}])
 def test_no_site_to_compare_is_refused(clean_env, environ):
-    _, outcome = decide({t.FLAG: "1", **environ})
+    # TP 4: where the hand-over of `init` is superseded (rank0_broadcast refuses it where the
+    # engine's memory probe is not shown to reach the capture group, e.g. deployment unknown)
+    decision = runtime.decide({t.FLAG: "1", **environ}, names=("rank0_broadcast", t.NAME), topology=TP4)
+    outcome = decision.outcomes[1]
     assert outcome.state == runtime.REFUSED
     assert "nothing to compare" in outcome.reason and t.FLAG in outcome.reason
 
@@ -264,4 +269,9 @@ def test_doctor_reports_the_sites(clean_env):
     assert (row["outcome"], row["engine_check"]["outcome"]) == ("applied", "applied")
     assert row["setting"] == {"every": 1000}
     assert "off: 17:dspark-draft" in row["reason"] and "handed over from DSV41_SPEC_TP_SYNC" in row["reason"]
+    # doctor names what was proven of the engine's SpecTpSync, and for which deployment
+    assert "shown from its source: SpecTpSync reads SGLANG_SPEC_TP_SYNC live" in row["reason"]
+    assert "for every deployment (server arguments unknown)" in row["reason"]
+    rank0 = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == "rank0_broadcast")
+    assert rank0["outcome"] == "superseded" and "sync(site, values) broadcasts `values` itself" in rank0["reason"]
     assert os.environ.get("SGLANG_SPEC_TP_SYNC") is None

@@ -15,6 +15,12 @@ torch.multiprocessing (tests/tp_nccl_cases.py).
    DSV41_SPEC_TP_SYNC=all applied through the runtime or unset: on, no rank ever differs
    from rank 0; off, rank 1's drafts and accept differ in exactly the skewed replays.
 
+4. Issue 22: sglang 0.5.23's own SpecTpSync and DSparkWorkerV2/DFlashWorkerV2.init_cuda_graphs
+   on DP 2 x attention-TP 1 (tests/mem23_cases.py; two of the GPUs): the engine's GroupCoordinators
+   with NCCL device groups, the helper's CUDA branch, rank 0's GPU held down to 0.6 GB free:
+   unpatched the ranks decide differently whether to capture the DSpark draft graph (the test
+   fails if they do not); with DSV41_GROUP_MIN_MEM=1 decided for that topology they agree.
+
 The GPU tests are skipped without 2 CUDA GPUs. The same rank code runs here on gloo with
 2 and 4 CPU processes (each replay an eager call: nothing is captured), so its counting
 and value checks are exercised without a GPU (3 on 2 ranks: eagerly, with the Triton-only
@@ -153,6 +159,24 @@ def test_nccl_release18_draft_and_accept_in_graphs():
     print(f"sglang {ranks[0]['sglang']} from {ranks[0]['sglang_file']} (runtime judged {ranks[0]['engine_version']})")
     assert all(r["variants"][v]["captured"] for r in ranks for v in ("on", "off"))
     check_release18(ranks)
+
+
+@needs_gpus
+def test_nccl_group_min_memory_dp_attention():
+    """DP 2 x attention-TP 1 on two GPUs: the capture decision differs unpatched, agrees with the pack."""
+    ranks = spawn_ranks(2, "tests.mem23_cases:capture_case", nccl=True, timeout=NCCL18_TIMEOUT,
+                        kwargs={"attn_tp": 1, "frees_gb": [0.6, 8.0], "decide_with": [None, [2, 2]]})
+    print({r["runs"]["unpatched"]["probe_gb"]: r["runs"]["[2, 2]"]["probe_gb"] for r in ranks})
+    assert [r["groups"] for r in ranks] == [{"spec_tp_sync": 1, "draft_graph": 2}] * 2
+    assert [r["runs"]["unpatched"]["dspark_capture"] for r in ranks] == [False, True]
+    assert [r["runs"]["unpatched"]["dspark_all_reduce"] for r in ranks] == [[], []]
+    for label in ("None", "[2, 2]"):
+        runs = [r["runs"][label] for r in ranks]
+        assert [run["state"] for run in runs] == ["applied", "applied"], ranks[0]["reasons"]
+        assert [run["dspark_capture"] for run in runs] == [False, False]
+        assert runs[0]["probe_gb"] == runs[1]["probe_gb"] < 1.0
+        assert [run["dspark_all_reduce"] for run in runs] == [["RedOpType.MIN"]] * 2
+        assert [run["dflash_capture"] for run in runs] == [False, False]  # eager draft under DP attention
 
 
 # --- the same rank code on gloo, CPU processes (eager) -------------------------------------
