@@ -72,6 +72,22 @@ def test_every_decider_agrees_on_each_layout(by_layout, release):
             assert row["launch_refused"] == row["rank_refused"] == row["doctor_failed"], (name, env, row["reasons"])
 
 
+def test_the_layout_changes_the_verdicts_it_should(by_layout):
+    """The dimension is not idle: on 0.5.23 the engine's probe reaches the capture group only
+    where a batch runs on several ranks, and the report has something to compare only there."""
+    def state(release, layout, adapter, **env):
+        return by_layout[release][layout]["rows"][combos().index(env)]["rank"][adapter]
+
+    memory = {layout: state("0.5.23", layout, "group_min_memory", DSV41_GROUP_MIN_MEM="1")
+              for layout in by_layout["0.5.23"]}
+    assert memory == {"tp4": "superseded", "tp4-dp-attention-tp1": "applied", "tp4-dp-attention-tp2": "superseded",
+                      "tp4-attn-dp4": "applied"}
+    for release in ("0.5.23", "0.5.18"):
+        report = {layout: state(release, layout, "tp_divergence", DSV41_SPEC_TP_SYNC="all", DSV41_TP_DIVERGENCE="1")
+                  for layout in by_layout[release]}
+        assert report["tp4"] == "applied" and report["tp4-dp-attention-tp1"] == "refused", (release, report)
+
+
 def test_the_layouts_are_read_as_written(by_layout):
     attn = {name: (layout["rank"]["tp_size"], layout["rank"]["attn_dp_size"]) for name, layout in by_layout["0.5.23"].items()}
     assert attn == {"tp4": (4, 1), "tp4-dp-attention-tp1": (4, 4), "tp4-dp-attention-tp2": (4, 2), "tp4-attn-dp4": (4, 4)}

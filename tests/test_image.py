@@ -235,8 +235,10 @@ class Runs:
         self._procs = {
             # docker run IMAGE
             "bare": image.popen(entrypoint + cmd),
-            # docker run --env-file adapters.env IMAGE doctor --json --strict
-            "doctor": image.popen(entrypoint + ["doctor", "--json", "--strict"], recipe),
+            # docker run --env-file adapters.env IMAGE doctor --json --strict -- python3 -m sglang.launch_server <server.args>
+            # (run.sh's check: judged for the recipe's own deployment)
+            "doctor": image.popen(entrypoint + ["doctor", "--json", "--strict", "--", "python3", "-m",
+                                                "sglang.launch_server", *read_server_args()], recipe),
             # docker run --env-file adapters.env IMAGE <server.args> SENTINEL
             "launch": image.popen(entrypoint + read_server_args() + [SENTINEL], recipe),
             # the engine's own launch, same environment, same arguments, no pack launcher
@@ -266,7 +268,7 @@ def runs(image):
 
 
 def adapter_lines(stderr: str) -> list[re.Match]:
-    lines = [l for l in stderr.splitlines() if l.startswith("[sglang-adapters] pid=")]
+    lines = [l for l in stderr.splitlines() if l.startswith("[sglang-adapters] pid=") and " deployment: " not in l]
     matches = [LINE.match(l) for l in lines]
     assert lines and all(matches), lines
     return matches
@@ -338,12 +340,16 @@ def test_launch_hands_the_arguments_to_the_engine_unchanged(runs):
     assert ours.returncode == 2 and ours.stderr.rstrip().endswith(error), ours.stderr[-3000:]
     usage = lambda err: normalized_choices(err[err.index("usage: "):])
     assert usage(ours.stderr) == usage(engine.stderr)
-    # The launcher applied the recipe's adapters before handing over, and said so.
+    # The launcher applied the recipe's adapters before handing over, and said so. The sentinel
+    # makes the engine's parser reject the arguments, so the launcher could not read the
+    # deployment and judged for every layout: the memory probe is then the pack's (applied).
+    assert " rank=launcher deployment: every layout (the engine's argument parser rejects the server arguments" in ours.stderr
     states = {m[3]: m[5] for m in adapter_lines(ours.stderr)}
     recipe = read_env_file(ENV_FILE)
+    every_layout = {"DSV41_GROUP_MIN_MEM": "applied"}
     for flag, (value, state) in expectations(ENV_FILE).items():
         if flag in recipe:
-            assert states.get(flag) == state.upper(), (flag, states)
+            assert states.get(flag) == every_layout.get(flag, state).upper(), (flag, states)
     assert "[sglang-adapters]" not in engine.stderr
 
 

@@ -105,7 +105,9 @@ def test_a_rollout_checks_first_stops_gracefully_and_waits_for_health(tmp_path, 
     assert code == 0, err
     assert verbs(calls)[:7] == ["image inspect", "image inspect", "run --rm", "container inspect", "stop", "rm", "run"]
     doctor, stop, run = calls[2], calls[4], calls[6]
-    assert doctor[-3:] == [IMAGE, "doctor", "--strict"]
+    # judged for this very deployment: the server command, read by doctor with the engine's own parser
+    assert doctor[doctor.index(IMAGE):] == [IMAGE, "doctor", "--strict", "--", "python3", "-m", "sglang.launch_server",
+                                            *server_args()]
     assert doctor[doctor.index("--env-file") + 1] == str(RECIPE / "adapters.env")
     assert stop == ["stop", "-t", "60", "dsv41-flash-tp4-dspark"]
     assert not any(c[:2] == ["rm", "-f"] for c in calls), "no SIGKILL of the running server"

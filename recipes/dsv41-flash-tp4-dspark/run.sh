@@ -57,7 +57,9 @@ docker image inspect "$IMAGE" >/dev/null 2>&1 || docker pull "$IMAGE" >/dev/null
 pack=$(docker image inspect --format "{{index .Config.Labels \"$PACK_LABEL\"}}" "$IMAGE")
 if [ -n "$pack" ] && [ "$pack" != "<no value>" ]; then
   status=0
-  docker run --rm "${ENV[@]}" "$IMAGE" doctor --strict >&2 || status=$?
+  # judged for this very deployment: the server command, read with the engine's own parser
+  docker run --rm "${ENV[@]}" "$IMAGE" doctor --strict -- python3 -m sglang.launch_server "${SERVER_ARGS[@]}" >&2 \
+    || status=$?
   if [ "$status" -ne 0 ]; then
     say "doctor --strict refused the new image or flags (exit $status): the running server is untouched"
     exit "$status"
