@@ -5,7 +5,12 @@ as each rank does at the start of Scheduler.__init__).
 Each variant runs in a fresh interpreter (as a container start would), several times,
 alternating, and the medians are compared within this one run:
 
-    .venv/bin/python bench/startup_cost.py [--repeat 5] [--json OUT]
+    .venv/bin/python bench/startup_cost.py [--repeat 5] [--json OUT] [--before REV]
+
+With --before REV the per-rank apply and doctor with every flag on are also timed on the
+pack as it was at git revision REV (its adapter/ and entrypoint.py, exported to a temporary
+folder and run against the same engine), alternating with the current tree in the same run.
+A rank of the current tree judges its deployment (a TP4 ServerArgs' topology); REV's as REV did.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from adapter import ADAPTERS, load
@@ -25,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def engine_modules() -> list[str]:
     # The modules doctor imports: every adapter's targets plus the scheduler the plugin guards.
-    names = [name for adapter in ADAPTERS for name, _ in load(adapter).TARGETS]
+    names = [name for adapter in ADAPTERS for name, _ in getattr(load(adapter), "TARGETS", ())]
     return sorted(set(names)) + ["sglang.srt.managers.scheduler"]
 
 
@@ -39,7 +45,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--before", metavar="REV", help="also time the pack at this git revision, alternating")
     opts = parser.parse_args()
+    if opts.before:
+        return before_and_after(opts)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
     importer = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in engine_modules())
     variants = {
@@ -69,14 +78,45 @@ def main() -> None:
                        "per_rank_apply_ms": apply_ms}, out, indent=2)
 
 
-def per_rank_apply_ms(importer: str, env: dict) -> float:
+def per_rank_apply_ms(importer: str, env: dict, tree: str = ROOT, topology: bool = False) -> float:
     """Milliseconds to decide and apply every adapter in a fresh interpreter whose engine
-    modules are already imported (what a rank adds to its start-up)."""
+    modules are already imported (what a rank adds to its start-up); with `topology`, for a
+    TP4 deployment as a rank judges it from its server_args."""
+    deployment = "topology.Topology(4), 'server_args'" if topology else ""
     code = importer + (
-        "import time\nfrom adapter import runtime\nt = time.perf_counter()\nruntime.apply_once()\n"
+        f"import time\nfrom adapter import runtime{', topology' if topology else ''}\nt = time.perf_counter()\n"
+        f"runtime.apply_once(__import__('os').environ, {deployment})\n"
         "print('APPLY_MS', (time.perf_counter() - t) * 1000)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=dict(env, PYTHONPATH=tree), check=True,
+                         capture_output=True, text=True).stdout
     return float(next(line.split()[1] for line in out.splitlines() if line.startswith("APPLY_MS")))
+
+
+def before_and_after(opts) -> None:
+    """The per-rank apply and doctor (every flag on) of REV's pack and of this tree, alternating."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
+    flags_on = dict(env, **{load(a).FLAG: load(a).CHECK_VALUE for a in ADAPTERS})
+    importer = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in engine_modules())
+    with tempfile.TemporaryDirectory() as before:
+        archive = subprocess.run(["git", "archive", opts.before, "adapter", "entrypoint.py"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", before], input=archive, check=True)
+        trees = {f"before ({opts.before})": (before, False), "after (this tree)": (ROOT, True)}
+        apply_ms = {name: [] for name in trees}
+        doctor_s = {name: [] for name in trees}
+        for _ in range(opts.repeat):
+            for name, (tree, topology) in trees.items():
+                apply_ms[name].append(per_rank_apply_ms(importer, flags_on, tree, topology))
+                doctor_s[name].append(timed([sys.executable, os.path.join(tree, "entrypoint.py"), "doctor"],
+                                            dict(flags_on, PYTHONPATH=tree)))
+    print(f"{'every flag on':34} {'per-rank apply ms':>18} {'doctor s':>9}")
+    for name in trees:
+        print(f"{name:34} {statistics.median(apply_ms[name]):18.0f} {statistics.median(doctor_s[name]):9.2f}"
+              f"   runs: {' '.join(f'{v:.0f}' for v in apply_ms[name])} / {' '.join(f'{v:.1f}' for v in doctor_s[name])}")
+    if opts.json:
+        with open(opts.json, "w") as out:
+            json.dump({"before": opts.before, "repeat": opts.repeat, "per_rank_apply_ms": apply_ms, "doctor_s": doctor_s},
+                      out, indent=2)
 
 
 if __name__ == "__main__":

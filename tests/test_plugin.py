@@ -25,10 +25,16 @@ ALIAS = ("\nfrom sglang.srt.speculative.dspark_components.dspark_verify import T
          "finalize_verify = _Executor.accept_and_finalize\n")
 
 
-def rank_process(doctor_engine, tmp_dir: str, results) -> None:
+def rank_process(doctor_engine, tmp_dir: str, results, server_argv=None) -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
+    # The ServerArgs a rank's Scheduler receives: the engine's own parser, resolved as the launcher does.
+    server_args = None
+    if server_argv is not None:
+        from tests.agreement_cases import rank_server_args
+
+        server_args = rank_server_args(server_argv)
     import sys
 
     from tests.doctored import doctored_module
@@ -43,7 +49,7 @@ def rank_process(doctor_engine, tmp_dir: str, results) -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
     try:
-        Scheduler(None, None)
+        Scheduler(server_args, None)
     except runtime.AdapterRefused:
         raise  # the refusal must stop this process
     except Exception as exc:  # the real constructor on placeholder arguments
@@ -54,14 +60,14 @@ def rank_process(doctor_engine, tmp_dir: str, results) -> None:
     results.put(("patched", sorted(f"{s.adapter}:{s.name}" for s in patching.applied())))
 
 
-def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False):
+def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False, server_argv=None):
     if flag is None:
         monkeypatch.delenv(folded_fence.FLAG, raising=False)
     else:
         monkeypatch.setenv(folded_fence.FLAG, flag)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    child = context.Process(target=rank_process, args=(doctor_engine, str(tmp_path), results))
+    child = context.Process(target=rank_process, args=(doctor_engine, str(tmp_path), results, server_argv))
     child.start()
     child.join(timeout=180)
     assert not child.is_alive(), "the spawned rank hung"
@@ -148,3 +154,25 @@ def test_any_other_master_switch_value_stops_a_spawned_rank(monkeypatch, tmp_pat
     # the fatal line too is one JSON object in JSON mode, before the engine's own traceback
     (fatal,) = [json.loads(line) for line in err.splitlines() if line.startswith("{") and '"fatal":true' in line]
     assert fatal["message"].startswith("the engine must not start: DSV41_ADAPTERS='on'") and fatal["time"]
+
+
+@pytest.mark.parametrize("layout,memory", [(["--tp-size", "4"], "superseded"),
+                                           (["--tp-size", "4", "--enable-dp-attention", "--dp-size", "4"], "applied")])
+def test_a_spawned_rank_judges_the_server_args_its_scheduler_receives(monkeypatch, tmp_path, capfd, layout, memory):
+    """DSV41_GROUP_MIN_MEM=1 on 0.5.23: TP 4 is the engine's own group minimum (superseded,
+    nothing patched); DP attention with attention-TP 1 leaves the engine's probe per rank, so
+    the rank wraps SpecTpSync.available_memory_gb. The rank reads its deployment from the real
+    ServerArgs (the engine's prepare_server_args, resolved) it is constructed with."""
+    from tests.agreement_cases import TINY_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    monkeypatch.setenv("DSV41_GROUP_MIN_MEM", "1")
+    argv = ["--model-path", str(tmp_path), "--device", "cpu", "--skip-tokenizer-init", *layout]
+    code, found = spawn_rank(monkeypatch, None, tmp_path, server_argv=argv)
+    assert code == 0 and "constructor" in found
+    wrapped = "group_min_memory:available_memory_gb" in found["patched"]
+    assert wrapped == (memory == "applied"), found["patched"]
+    err = capfd.readouterr().err
+    described = "TP 4, no DP attention" if memory == "superseded" else "TP 4, DP attention 4 x attention-TP 1"
+    assert f"deployment: {described} (this rank's server_args)" in err
+    assert f"group_min_memory DSV41_GROUP_MIN_MEM='1': {memory.upper()} - " in err
