@@ -1,4 +1,4 @@
-"""Cost of the runtime binding audit (adapter.audit) in a rank-sized process: the scheduler
+"""Cost of the runtime binding audit (adapter.framework.audit) in a rank-sized process: the scheduler
 and every module of sglang.srt.speculative imported, every adapter decided and applied with
 its broadest setting, the pack's Scheduler.__init__ guard in place, as in a rank.
 
@@ -17,7 +17,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's adapter
-from adapter import ADAPTERS, audit, load, patching, plugin, runtime
+from sglang_dsv41_adapters import ADAPTERS, load
+from sglang_dsv41_adapters.framework import audit, patching, plugin, runtime
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
             importlib.import_module(found.name)
         except Exception:  # a module that needs a GPU library: a rank would not have it either
             pass
-    decision = runtime.decide({load(name).FLAG: load(name).CHECK_VALUE for name in ADAPTERS})
+    decision = runtime.decide({load(name).flag: load(name).check_value for name in ADAPTERS})
     runtime.apply(decision)
     plugin._guard_scheduler(scheduler)
     wall, cpu = [], []

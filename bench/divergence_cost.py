@@ -38,8 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from adapter import divergence, runtime  # noqa: E402
-from adapter import tp_divergence as t  # noqa: E402
+from sglang_dsv41_adapters.tp_divergence import divergence
+from sglang_dsv41_adapters.framework import runtime  # noqa: E402
+from sglang_dsv41_adapters import tp_divergence as t  # noqa: E402
 
 VARIANTS = ("off", "on", "on_read_every_call")
 
@@ -53,7 +54,7 @@ def report_env(variant: str) -> dict:
 def switch(variant: str) -> None:
     """Bring this process to `variant` through the runtime, as a rank does (the installed engine
     judged without the plugin-delivery check: the pack may sit on PYTHONPATH, not installed)."""
-    from tests.doctored import DoctoredEngine
+    from harness.doctored import DoctoredEngine
 
     runtime.apply(runtime.decide(report_env(variant), DoctoredEngine({}), names=(t.NAME,)))
 
@@ -62,12 +63,12 @@ def pack_broadcast(variant: str):
     """The pack's broadcast as tp_divergence's plan wraps it on 0.5.16 - 0.5.18."""
     import wrapt
 
-    from adapter import broadcast as b
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
 
     if variant == "off":
         return b.broadcast
     every = int(report_env(variant)[t.EVERY_FLAG])
-    return wrapt.FunctionWrapper(b.broadcast, functools.partial(t._compare_broadcast, every))
+    return wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, every))
 
 
 def timed(run, steps: int) -> float:
@@ -87,12 +88,12 @@ def cpu_rank(rank, world_size, reps, steps, gammas, sizes):
     from sglang.srt.speculative.dspark_components.dspark_verify import build_accept_outs
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
 
-    from adapter import broadcast as b
-    from adapter.sites import Site
-    from tests.divergence_cases import make_group
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+    from sglang_dsv41_adapters.spectpsync.sites import Site
+    from harness.nccl import make_group
 
     os.environ.pop("SGLANG_SPEC_TP_SYNC", None)
-    group = make_group(rank, world_size)
+    group, _ = make_group(rank, world_size, nccl=False)
     tp_sync = SpecTpSync(group)
     b.bind_group(b.DSPARK, group)
 
@@ -144,7 +145,7 @@ def cpu_rank(rank, world_size, reps, steps, gammas, sizes):
 
 
 def run_cpu(opts) -> dict:
-    from tests.ranks import run_ranks
+    from harness.ranks import run_ranks
 
     ranks = run_ranks(2, "bench.divergence_cost:cpu_rank", release="0.5.23", timeout=1800,
                       kwargs={"reps": opts.reps, "steps": opts.steps, "gammas": [3, 7], "sizes": [1, 64]})

@@ -50,11 +50,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from adapter import accept_snapshot, fence_boundary, folded_fence, patching, runtime  # noqa: E402
-from adapter.contract import Patch  # noqa: E402
+from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework import patching, runtime  # noqa: E402
+from sglang_dsv41_adapters.framework.plan import Patch  # noqa: E402
 from bench.fence_host_cost import decode_result  # noqa: E402  (the realistic worker result)
 # the worker's arguments, as the GPU test passes them, and the fence switched on as a rank does
-from tests.test_fence_gpu import STRIDE, fence_on, folded_kwargs  # noqa: E402
+from harness.fence import STRIDE, fence_on, folded_kwargs  # noqa: E402
 
 
 FIELDS = folded_fence.FIELDS

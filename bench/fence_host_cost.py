@@ -39,7 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from adapter import accept_snapshot, fence_boundary, folded_fence, runtime  # noqa: E402
+from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework import runtime  # noqa: E402
 
 STRIDE = 4
 
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
+    # REV's flat layout (before the pack's folders, up to b108675): its modules sit at adapter/<name>.py
     boundaries = {"before": module_at(args.before, "adapter/fence_boundary.py"), "after": fence_boundary}
     before_fence = module_at(args.before, "adapter/folded_fence.py")
     copy = accept_snapshot.snapshot

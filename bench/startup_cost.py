@@ -16,6 +16,7 @@ A rank of the current tree judges its deployment (a TP4 ServerArgs' topology); R
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -24,14 +25,14 @@ import sys
 import tempfile
 import time
 
-from adapter import ADAPTERS, load
+from sglang_dsv41_adapters import ADAPTERS, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def engine_modules() -> list[str]:
     # The modules doctor imports: every adapter's targets plus the scheduler the plugin guards.
-    names = [name for adapter in ADAPTERS for name, _ in getattr(load(adapter), "TARGETS", ())]
+    names = [name for adapter in ADAPTERS for name, _ in getattr(importlib.import_module(f"adapter.{adapter}"), "TARGETS", ())]
     return sorted(set(names)) + ["sglang.srt.managers.scheduler"]
 
 
@@ -56,7 +57,7 @@ def main() -> None:
         "doctor (all flags off)": [sys.executable, "entrypoint.py", "doctor"],
         "doctor --strict, every flag on": [sys.executable, "entrypoint.py", "doctor", "--strict"],
     }
-    flags_on = dict(env, **{load(a).FLAG: load(a).CHECK_VALUE for a in ADAPTERS})
+    flags_on = dict(env, **{load(a).flag: load(a).check_value for a in ADAPTERS})
     times = {name: [] for name in variants}
     apply_ms = []
     for _ in range(opts.repeat):
@@ -84,7 +85,7 @@ def per_rank_apply_ms(importer: str, env: dict, tree: str = ROOT, topology: bool
     TP4 deployment as a rank judges it from its server_args."""
     deployment = "topology.Topology(4), 'server_args'" if topology else ""
     code = importer + (
-        f"import time\nfrom adapter import runtime{', topology' if topology else ''}\nt = time.perf_counter()\n"
+        f"import time\nfrom sglang_dsv41_adapters.framework import runtime{', topology' if topology else ''}\nt = time.perf_counter()\n"
         f"runtime.apply_once(__import__('os').environ, {deployment})\n"
         "print('APPLY_MS', (time.perf_counter() - t) * 1000)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=dict(env, PYTHONPATH=tree), check=True,
@@ -95,7 +96,7 @@ def per_rank_apply_ms(importer: str, env: dict, tree: str = ROOT, topology: bool
 def before_and_after(opts) -> None:
     """The per-rank apply and doctor (every flag on) of REV's pack and of this tree, alternating."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
-    flags_on = dict(env, **{load(a).FLAG: load(a).CHECK_VALUE for a in ADAPTERS})
+    flags_on = dict(env, **{load(a).flag: load(a).check_value for a in ADAPTERS})
     importer = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in engine_modules())
     with tempfile.TemporaryDirectory() as before:
         archive = subprocess.run(["git", "archive", opts.before, "adapter", "entrypoint.py"], cwd=ROOT, check=True,

@@ -2,7 +2,7 @@
 
     python bench/tp_nccl_cost.py [--json OUT] [--world N] [--reps 5] [--calls 200] [--replays 20] [--cpu]
 
-One process per rank (tests/tp_nccl_cases.spawn_ranks; world = every visible GPU), the TP
+One process per rank (harness/nccl.py spawn_ranks; world = every visible GPU), the TP
 group sglang 0.5.23's own GroupCoordinator (pynccl inside graphs, as its TP group), or the
 torch.distributed NCCL fallback where that cannot be built (the kind is printed). Each case
 is one unit, measured three ways (median of --reps, the cases interleaved in each rep):
@@ -27,7 +27,7 @@ Cases, bs 1 / 8 / 64:
                concatenation alone
 "+%" compares a case with the bare collectives it issues (its `ref`). --cpu (or no CUDA):
 gloo CPU processes, eager only (a check that the code runs; the figures are gloo's).
-NVLink multicast is off in every process (tests/tp_nccl_cases.NO_MULTICAST).
+NVLink multicast is off in every process (harness/nccl.py NO_MULTICAST).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from tests.tp_nccl_cases import NO_MULTICAST, capture, device_of, make_group, report, spawn_ranks  # noqa: E402
+from harness.nccl import NO_MULTICAST, capture, device_of, make_group, report, spawn_ranks  # noqa: E402
 
 SIZES, GAMMAS = (1, 8, 64), (3, 7)
 
@@ -68,10 +68,10 @@ def build_cases(group, device):
 
     import wrapt
 
-    from adapter import broadcast as b
-    from adapter.rank0_broadcast import _graph_accept
-    from adapter import tp_divergence as t
-    from adapter.sites import Site
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+    from sglang_dsv41_adapters.rank0_broadcast import _graph_accept
+    from sglang_dsv41_adapters import tp_divergence as t
+    from sglang_dsv41_adapters.spectpsync.sites import Site
 
     os.environ.pop("SGLANG_SPEC_TP_SYNC", None)
     sync_on = SpecTpSync(group)  # every site broadcast (the engine's default)
@@ -79,7 +79,7 @@ def build_cases(group, device):
     sync_off = SpecTpSync(group)
     del os.environ["SGLANG_SPEC_TP_SYNC"]
     b.bind_group(b.DSPARK, group)
-    pack, pack_report = b.broadcast, wrapt.FunctionWrapper(b.broadcast, functools.partial(t._compare_broadcast, 1000))
+    pack, pack_report = b.broadcast, wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
     bare = functools.partial(group.broadcast, src=0)
 
     def late(sync):
@@ -148,8 +148,8 @@ def accept_triple(bs, device):
 def cost_rank(rank, world, nccl, reps, calls, replays, per_graph):
     import torch.distributed as dist
 
-    from adapter import divergence
-    from adapter import tp_divergence as t
+    from sglang_dsv41_adapters.tp_divergence import divergence
+    from sglang_dsv41_adapters import tp_divergence as t
 
     group, kind = make_group(rank, world, nccl)
     device = device_of(group, nccl)

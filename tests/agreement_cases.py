@@ -1,8 +1,8 @@
 """Rank side of tests/test_agreement.py: the agreement table on one installed engine.
 
 For every flag combination it takes the decision the three deciders take (the launcher
-and each rank: runtime.apply_once's decide; doctor: entrypoint.report; doctor --engine:
-entrypoint.report on the same release read from its sources), in every order of
+and each rank: runtime.apply_once's decide; doctor: cli.report; doctor --engine:
+cli.report on the same release read from its sources), in every order of
 ADAPTERS, applies the launch decision, and returns what each one said.
 
 `layouts` adds the deployment: for each server command in LAYOUTS and every flag
@@ -44,15 +44,16 @@ def _states(decision) -> dict:
 
 def verdicts(environ: dict, engine, installed: bool) -> dict:
     """What every decider says for `environ` on `engine` (one release)."""
-    import entrypoint
-    from adapter import ADAPTERS, patching, runtime
+    from sglang_dsv41_adapters import cli
+    from sglang_dsv41_adapters import ADAPTERS
+    from sglang_dsv41_adapters.framework import patching, runtime
 
     launch = runtime.decide(environ, engine)
     row = {
         "launch_refused": launch.refused,
         "states": _states(launch),
         "reasons": {o.adapter: o.reason for o in launch.outcomes},
-        "doctor_failed": entrypoint.report(environ, engine)["failed"],
+        "doctor_failed": cli.report(environ, engine)["failed"],
         "orders": [_states(runtime.decide(environ, engine, names=order))
                    for order in itertools.permutations(ADAPTERS)],
     }
@@ -71,8 +72,8 @@ def verdicts(environ: dict, engine, installed: bool) -> dict:
 def table(rank, world_size, source_trees):
     """{release: {"installed": [...], "sources": [...]}} for the installed release and
     each (release, tree) in source_trees, one row per combination."""
-    from adapter.contract import InstalledEngine, engine_version
-    from adapter.source_engine import SourceEngine
+    from sglang_dsv41_adapters.engine.installed import InstalledEngine, engine_version
+    from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 
     out = {engine_version(): {"installed": [verdicts(env, InstalledEngine(), True) for env in combos()]}}
     for release, tree in source_trees:
@@ -112,10 +113,10 @@ def layouts(rank, world_size, model_dir, source_tree):
     import json
     import pathlib
 
-    import entrypoint
-    from adapter import runtime, topology
-    from adapter.contract import InstalledEngine, engine_version
-    from adapter.source_engine import SourceEngine
+    from sglang_dsv41_adapters import cli
+    from sglang_dsv41_adapters.framework import runtime, topology
+    from sglang_dsv41_adapters.engine.installed import InstalledEngine, engine_version
+    from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 
     pathlib.Path(model_dir, "config.json").write_text(json.dumps(TINY_CONFIG))
     model = ["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"]
@@ -128,8 +129,8 @@ def layouts(rank, world_size, model_dir, source_tree):
         rank_topology = topology.from_server_args(rank_server_args([*model, *argv]))
         rows = []
         for env in combos():
-            doctor = entrypoint.report(env, installed, wrapper_topology, judged)
-            from_sources = entrypoint.report(env, sources, wrapper_topology, judged)
+            doctor = cli.report(env, installed, wrapper_topology, judged)
+            from_sources = cli.report(env, sources, wrapper_topology, judged)
             launch = runtime.decide(env, installed, topology=wrapper_topology)
             in_rank = runtime.decide(env, installed, topology=rank_topology)
             rows.append({

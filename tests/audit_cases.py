@@ -1,4 +1,4 @@
-"""Child side of tests/test_audit.py on 0.5.18 (run through tests.ranks with that release):
+"""Child side of tests/test_audit.py on 0.5.18 (run through harness.ranks with that release):
 rank0_broadcast applied, and a doctored copy of the real DSpark worker that imports the
 wrapped accept_draft_tokens by name (the issue's example)."""
 
@@ -13,8 +13,8 @@ BINDING = ("from sglang.srt.speculative.dspark_components.dspark_verify import a
 
 
 def imported_by_name(rank, world_size) -> dict:
-    from adapter import audit, patching, runtime
-    from tests.doctored import doctored_module
+    from sglang_dsv41_adapters.framework import audit, patching, runtime
+    from harness.doctored import doctored_module
 
     decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all"})
     # The engine's modules as the rank has them, before the pack applies.

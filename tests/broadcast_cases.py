@@ -1,4 +1,4 @@
-"""Rank code for tests/test_rank0_broadcast.py (run through tests.ranks.run_ranks on 0.5.18).
+"""Rank code for tests/test_rank0_broadcast.py (run through harness.ranks.run_ranks on 0.5.18).
 
 Every site that runs on the CPU is driven through the real 0.5.18 engine function
 (through the consumer binding the adapter replaces), with a skew on rank 1: other
@@ -30,7 +30,7 @@ def make_group(rank: int, world_size: int):
 def _modules():
     import importlib
 
-    from adapter import rank0_broadcast as r
+    from sglang_dsv41_adapters import rank0_broadcast as r
 
     return r, {name: importlib.import_module(name) for name, _ in r.TARGETS if name != r.upstream_sync.MODULE}
 
@@ -38,7 +38,7 @@ def _modules():
 def _configure(value):
     """Select `value` (None = flag unset) and bring this process in line with it, as the
     launcher and every rank do; returns the decision."""
-    from adapter import runtime
+    from sglang_dsv41_adapters.framework import runtime
 
     r, _ = _modules()
     decision = runtime.decide({} if value is None else {r.FLAG: value}, names=(r.NAME,))
@@ -197,7 +197,7 @@ def run_sites(rank, world_size, decision, gamma=3):
 
 
 def _bind(rank, world_size):
-    from adapter.broadcast import DFLASH, DSPARK, bind_group
+    from sglang_dsv41_adapters.spectpsync.broadcast import DFLASH, DSPARK, bind_group
 
     group = make_group(rank, world_size)
     bind_group(DSPARK, group)
@@ -211,7 +211,7 @@ def _by_slug(counts) -> dict:
 def sites_case(rank, world_size, configs):
     """For each flag value in `configs` (None = unset): apply accordingly, run every
     site, and return the values plus the collectives issued per site."""
-    from adapter.broadcast import COUNTS
+    from sglang_dsv41_adapters.spectpsync.broadcast import COUNTS
 
     _bind(rank, world_size)
     results = {}
@@ -227,7 +227,7 @@ def sites_case(rank, world_size, configs):
 def count_case(rank, world_size, gammas):
     """Collectives per decode step, by site, with every site on: one eager draft block,
     the eager accept and the captured accept wrapper, for each gamma."""
-    from adapter.broadcast import COUNTS
+    from sglang_dsv41_adapters.spectpsync.broadcast import COUNTS
 
     _bind(rank, world_size)
     decision = _configure("all")
@@ -245,7 +245,7 @@ def group_rule_case(rank, world_size):
     before the real __init__ runs (which fails here, on purpose: no model)."""
     import sglang.srt.runtime_context as rc
 
-    from adapter.broadcast import group_of
+    from sglang_dsv41_adapters.spectpsync.broadcast import group_of
 
     r, mods = _modules()
     _configure("all")
@@ -272,7 +272,7 @@ def group_rule_case(rank, world_size):
 
 def install_case(rank, world_size):
     """Bindings, idempotence and narrowing on 0.5.18 (one process is enough)."""
-    from adapter import patching, runtime
+    from sglang_dsv41_adapters.framework import patching, runtime
 
     r, mods = _modules()
     d, s, v = mods[r.DRAFT], mods[r.DRAFT_SAMPLER], mods[r.VERIFY]
@@ -330,9 +330,9 @@ def install_case(rank, world_size):
 
 def doctored_case(rank, world_size, cases):
     """The outcome on the real 0.5.18 engine with one module doctored (one string
-    replaced), per case: a tests.doctored.Drift given as (module, old, new, symbol)."""
-    from adapter import rank0_broadcast as r
-    from tests.doctored import Drift
+    replaced), per case: a harness.doctored.Drift given as (module, old, new, symbol)."""
+    from sglang_dsv41_adapters import rank0_broadcast as r
+    from harness.doctored import Drift
 
     out = []
     for case in cases:
@@ -364,8 +364,8 @@ def main_case(rank, world_size, configs, gammas=(), doctored=(), extras=True):
 def packing_case(rank, world_size):
     """The pack's broadcast() of several tensors in one collective: mixed dtypes and shapes,
     one of them a view of a larger buffer; rank 1 starts from other values."""
-    from adapter.broadcast import COUNTS, DSPARK, broadcast
-    from adapter.sites import Site
+    from sglang_dsv41_adapters.spectpsync.broadcast import COUNTS, DSPARK, broadcast
+    from sglang_dsv41_adapters.spectpsync.sites import Site
 
     _bind(rank, world_size)
     shift = 100 * rank

@@ -107,7 +107,7 @@ def marked_line(text: str, marker: str) -> int:
 
 
 def _doctored_engine(refactor: Refactor, directory: str):
-    from tests.doctored import DoctoredEngine, doctored_module, new_module_file
+    from harness.doctored import DoctoredEngine, doctored_module, new_module_file
 
     if refactor.renamed_from is not None:
         text = real_source(refactor.renamed_from)
@@ -121,7 +121,8 @@ def _doctored_engine(refactor: Refactor, directory: str):
 
 def imported(release: str) -> dict:
     """Each case's engine check on the installed engine with that one refactor."""
-    from adapter import load, runtime
+    from sglang_dsv41_adapters import load
+    from sglang_dsv41_adapters.framework import runtime
 
     results = {}
     for case, refactor in CASES[release].items():

@@ -7,8 +7,10 @@ import types
 import pytest
 import torch
 
-from adapter import fence_forms, folded_fence, runtime
-from tests.doctored import doctored_module  # noqa: F401  (used by the test modules)
+from sglang_dsv41_adapters.folded_fence import fence_forms
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework import runtime
+from harness.doctored import doctored_module  # noqa: F401  (used by the test modules)
 
 VERIFY = folded_fence.VERIFY
 

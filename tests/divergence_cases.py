@@ -1,4 +1,4 @@
-"""Rank code for tests/test_tp_divergence.py (run through tests.ranks.run_ranks).
+"""Rank code for tests/test_tp_divergence.py (run through harness.ranks.run_ranks).
 
 Each case runs n decode steps through real broadcast sites, with a skew on rank 1 at one
 site for the steps in `skewed`, once with the divergence report off and once on (in one
@@ -37,7 +37,7 @@ def make_group(rank: int, world_size: int):
 
 
 def _configure(environ: dict, names):
-    from adapter import runtime
+    from sglang_dsv41_adapters.framework import runtime
 
     decision = runtime.decide(environ, names=names)
     runtime.apply(decision)
@@ -50,7 +50,7 @@ def _report_env(report: bool, every: int) -> dict:
 
 def _run(step, n: int, report: bool):
     """n steps; the values they end with, the counters and every line printed."""
-    from adapter import divergence
+    from sglang_dsv41_adapters.tp_divergence import divergence
 
     divergence.reset()
     printed = io.StringIO()

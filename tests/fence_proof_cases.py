@@ -1,4 +1,4 @@
-"""Child side of test_fence_proofs' cases on another release (tests.ranks.run_ranks, one rank,
+"""Child side of test_fence_proofs' cases on another release (harness.ranks.run_ranks, one rank,
 the release first on the path): the fence decided and applied as a rank does it, then the
 release's own folded accept_and_finalize on the CPU, unfenced and fenced on identical state."""
 
@@ -15,7 +15,9 @@ def folded_result_on_the_release(rank: int, world_size: int, shadow: bool) -> di
     attribute shadows read_accept from the start (bonus read from correct_len's buffer)."""
     import torch
 
-    from adapter import fence_forms, folded_fence, holders, runtime
+    from sglang_dsv41_adapters.folded_fence import fence_forms, holders
+    from sglang_dsv41_adapters import folded_fence
+    from sglang_dsv41_adapters.framework import runtime
     from sglang.srt.speculative.dspark_components import dspark_verify as verify
     from tests.conftest import Step
 

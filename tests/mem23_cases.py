@@ -128,13 +128,13 @@ def capture_case(rank: int, world: int, *, nccl: bool = False, attn_tp: int, fre
     group all_reduces made, with DSV41_GROUP_MIN_MEM decided and applied for it."""
     import torch.distributed as dist
 
-    from adapter import group_min_memory as gm
-    from adapter import runtime
-    from adapter.topology import Topology
+    from sglang_dsv41_adapters import group_min_memory as gm
+    from sglang_dsv41_adapters.framework import runtime
+    from sglang_dsv41_adapters.framework.topology import Topology
     from sglang.srt.layers.dp_attention import get_dp_tp_group
     from sglang.srt.runtime_context import get_context, get_exec, get_parallel
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync
-    from tests.doctored import DoctoredEngine
+    from harness.doctored import DoctoredEngine
 
     dspark, dflash = importlib.import_module(DSPARK), importlib.import_module(DFLASH)
     init = inspect.getsource(dspark.DSparkWorkerV2.__init__)

@@ -1,6 +1,6 @@
 """Rank and subprocess code for tests/test_group_min_memory.py (runs on sglang 0.5.18).
 
-Rank functions run under tests.ranks.run_ranks: a fresh interpreter per rank with the
+Rank functions run under harness.ranks.run_ranks: a fresh interpreter per rank with the
 default gloo process group already initialised. The adapter is switched on and off the
 way the engine's ranks do it: one decision (`runtime.decide`), carried out by
 `runtime.apply`, undone by `runtime.revert`.
@@ -14,7 +14,7 @@ import json
 import sys
 import types
 
-from tests.doctored import Drift
+from harness.doctored import Drift
 
 GIB = 1 << 30
 
@@ -29,8 +29,8 @@ REPLACED = sorted(f"{name}.{HELPER}" for name in CONSUMERS)
 
 def _switch_on():
     """DSV41_GROUP_MIN_MEM=1 as a rank decides and applies it; the decision is returned."""
-    from adapter import group_min_memory as gm
-    from adapter import runtime
+    from sglang_dsv41_adapters import group_min_memory as gm
+    from sglang_dsv41_adapters.framework import runtime
 
     decision = runtime.decide({gm.FLAG: "1"}, names=(gm.NAME,))
     runtime.apply(decision)
@@ -39,7 +39,7 @@ def _switch_on():
 
 def _replaced(adapter: str) -> list[str]:
     """The bindings `adapter` has replaced in this process, from the runtime's registry."""
-    from adapter import patching
+    from sglang_dsv41_adapters.framework import patching
 
     return sorted(f"{s.owner.__name__}.{s.name}" for s in patching.applied() if s.adapter == adapter)
 
@@ -130,8 +130,8 @@ def decision_case(rank: int, world_size: int, *, attn_tp_size: int, frees_gb: li
     import torch.distributed as dist
 
     ps = _groups(rank, world_size, attn_tp_size)
-    from adapter import group_min_memory as gm
-    from adapter import runtime
+    from sglang_dsv41_adapters import group_min_memory as gm
+    from sglang_dsv41_adapters.framework import runtime
     from sglang.srt.runtime_context import get_context, get_exec, get_flags
 
     dp_attention = attn_tp_size < world_size
@@ -271,8 +271,8 @@ DRIFT_0_5_18 = {
 
 
 def inproc_checks() -> dict:
-    from adapter import group_min_memory as gm
-    from adapter import patching, runtime
+    from sglang_dsv41_adapters import group_min_memory as gm
+    from sglang_dsv41_adapters.framework import patching, runtime
 
     import sglang.srt.utils as utils_pkg
     from sglang.srt.model_executor import model_runner

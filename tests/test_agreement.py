@@ -26,8 +26,8 @@ import sys
 import pytest
 
 from tests.agreement_cases import combos
-from tests.engines import ENGINE_PATHS, ROOT
-from tests.ranks import run_ranks
+from harness.engines import ENGINE_PATHS, ROOT
+from harness.ranks import run_ranks
 
 sys.path.insert(0, str(ROOT / "tools"))
 import compat_matrix  # noqa: E402  (fetches a release's sources once into .engines/src)

@@ -1,4 +1,4 @@
-"""The runtime binding audit (adapter.audit) against the real engine: the fence applied on
+"""The runtime binding audit (adapter.framework.audit) against the real engine: the fence applied on
 0.5.23, and a doctored copy of a second real module that bound the original before the
 pack applied, one holder kind each; rank0_broadcast on 0.5.18 with the issue's example."""
 
@@ -9,10 +9,11 @@ import types
 
 import pytest
 
-from adapter import audit, folded_fence, patching, runtime
-from adapter.contract import Patch
-from tests.doctored import doctored_module
-from tests.ranks import run_ranks
+from sglang_dsv41_adapters.framework import audit, patching, runtime
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework.plan import Patch
+from harness.doctored import doctored_module
+from harness.ranks import run_ranks
 
 SECOND = "sglang.srt.speculative.spec_utils"  # a real module the fence does not patch
 WRAPPED = "sglang.srt.speculative.dspark_components.dspark_verify.TargetVerifyExecutor.accept_and_finalize"
@@ -114,7 +115,7 @@ def test_the_audit_runs_where_the_runtime_applies(fence, monkeypatch, tmp_path):
     """apply_once (launcher and every rank) refuses when the audit finds a holder."""
     second = doctored_module(SECOND, tail=IMPORT + HOLDERS["global"][0], directory=tmp_path)
     monkeypatch.setitem(sys.modules, SECOND, second)
-    monkeypatch.setattr(runtime, "_applied", None)
+    runtime.reset()
     decision = runtime.apply_once({folded_fence.FLAG: "1"})
     assert decision.refused
     assert f"{SECOND}.finalize holds the original {WRAPPED}" in decision.error().args[0]

@@ -10,13 +10,15 @@ import time
 
 import pytest
 
-from adapter import census, folded_fence, group_min_memory, rank0_broadcast, runtime
-from adapter.contract import InstalledEngine
-from adapter.source_engine import SourceEngine
-from entrypoint import EXIT_REFUSED
+from sglang_dsv41_adapters.engine import census
+from sglang_dsv41_adapters import folded_fence, group_min_memory, rank0_broadcast
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.engine.installed import InstalledEngine
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+from sglang_dsv41_adapters.cli import EXIT_REFUSED
 from tests import census_cases
 from tests.census_cases import CASES
-from tests.engines import ROOT, engine_env, python, release_sources
+from harness.engines import ROOT, engine_env, python, release_sources
 
 
 ALL_CASES = [(release, case) for release in CASES for case in CASES[release]]
@@ -62,20 +64,20 @@ def test_refused_by_doctor_engine(tmp_path, release, case):
 def test_unmodified_release_has_every_reference_at_a_known_site(release):
     """The census finds the real sites (so it is not vacuous) and refuses none of them."""
     engine = SourceEngine(release_sources(release), version=release)
-    assert runtime.engine_check(folded_fence, engine)[0] == runtime.APPLIED
+    assert runtime.engine_check(folded_fence.SURFACE, engine)[0] == runtime.APPLIED
     refs = census.references(engine, folded_fence.READERS)
     assert {(r.module, r.function) for r in refs} >= {
         (folded_fence.VERIFY, "TargetVerifyExecutor.accept_and_finalize"), (folded_fence.VERIFY, "DsparkVerifyEpilogue")}
     if release == "0.5.18":
         for adapter in (rank0_broadcast, group_min_memory):
-            assert runtime.engine_check(adapter, engine)[0] == runtime.APPLIED
+            assert runtime.engine_check(adapter.SURFACE, engine)[0] == runtime.APPLIED
         probes = census.references(engine, {group_min_memory.HELPER})
         assert len({r.module for r in probes}) > 20  # the probe is used far beyond DSpark/DFlash
 
 
 def test_buffers_read_from_the_readers():
     verify = SourceEngine(release_sources("0.5.23"), version="0.5.23").module(folded_fence.VERIFY)
-    from adapter.contract import Contract
+    from sglang_dsv41_adapters.engine.contract import Contract
 
     assert folded_fence.epilogue_buffers(Contract(folded_fence.NAME, verify)) == {
         f"{f}_buf" for f in folded_fence.FIELDS} | {"block_accept_lens_buf"}
@@ -95,8 +97,7 @@ def test_a_docstring_or_comment_is_no_reference(tmp_path):
 def test_census_scan_is_cached_per_process():
     engine = InstalledEngine()
     names = set(folded_fence.READERS)
-    census._HOLDING.clear()
-    census._references.cache_clear()
+    census.reset()
     start = time.perf_counter()
     first = census.references(engine, names)
     cold = time.perf_counter() - start

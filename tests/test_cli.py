@@ -13,11 +13,12 @@ import tomllib
 
 import pytest
 
-import entrypoint
-from adapter import ADAPTERS, load, runtime
-from adapter.source_engine import SourceEngine
+from sglang_dsv41_adapters import cli
+from sglang_dsv41_adapters import ADAPTERS, load
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from tests.agreement_cases import combos
-from tests.engines import ROOT, engine_env, python, release_sources
+from harness.engines import ROOT, engine_env, python, release_sources
 
 SCHEMA = json.loads((ROOT / "docs" / "doctor-report.schema.json").read_text())
 
@@ -37,13 +38,13 @@ def pack_lines(stderr: str) -> list[str]:
 
 def test_help_explains_the_pack_its_flags_and_exit_statuses(capsys):
     with pytest.raises(SystemExit) as done:
-        entrypoint.main(["--help"])
+        cli.main(["--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
     assert text.startswith("usage: sglang-adapters ") and "The SGLang adapter pack" in text
     for flag in runtime.pack_flags():
         assert flag in text
-    for code, _ in entrypoint.EXIT_STATUSES:
+    for code, _ in cli.EXIT_STATUSES:
         assert re.search(rf"^  {code} ", text, re.M), code
     assert "sglang-adapters [--] COMMAND" in text and "--model-path" in text
     assert len(text.splitlines()) < 60, "the pack's help, not the engine's 2,793 lines"
@@ -52,30 +53,30 @@ def test_help_explains_the_pack_its_flags_and_exit_statuses(capsys):
 @pytest.mark.parametrize("argv", [["launch", "--help"], ["doctor", "--help"]])
 def test_subcommand_help_is_the_packs(capsys, argv):
     with pytest.raises(SystemExit) as done:
-        entrypoint.main(argv)
+        cli.main(argv)
     assert done.value.code == 0
     text = capsys.readouterr().out
     assert text.startswith(f"usage: sglang-adapters {argv[0]}")
-    assert f"{entrypoint.EXIT_FLAGS}   a pack flag not understood" in text
+    assert f"{cli.EXIT_FLAGS}   a pack flag not understood" in text
     assert "--speculative-algorithm" not in text  # none of the engine's 2,793 lines
 
 
 def test_version_names_the_pack_and_the_engine(capsys):
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     with pytest.raises(SystemExit):
-        entrypoint.main(["--version"])
+        cli.main(["--version"])
     flag_form = capsys.readouterr().out.strip()
-    assert entrypoint.main(["version"]) == 0
+    assert cli.main(["version"]) == 0
     assert capsys.readouterr().out.strip() == flag_form
     assert flag_form.startswith(f"sglang-dsv41-adapters {version} (sglang 0.5.23 installed; Python 3.")
 
 
 def test_a_usage_error_in_the_packs_command_line_is_64(capsys):
     with pytest.raises(SystemExit) as done:
-        entrypoint.main(["doctor", "--no-such-option"])
-    assert done.value.code == entrypoint.EXIT_USAGE == 64
+        cli.main(["doctor", "--no-such-option"])
+    assert done.value.code == cli.EXIT_USAGE == 64
     with pytest.raises(SystemExit) as done:
-        entrypoint.main(["--"])
+        cli.main(["--"])
     assert done.value.code == 64 and "no COMMAND after --" in capsys.readouterr().err
 
 
@@ -127,7 +128,7 @@ def test_the_wrapper_hands_the_selection_to_the_command():
 
 def test_the_wrapper_stops_before_the_command_on_a_flag_error():
     done = cli("python", "-c", "print('ran')", DSV4_FOLDED_FENCE="1", timeout=60)
-    assert done.returncode == entrypoint.EXIT_FLAGS == 78
+    assert done.returncode == cli.EXIT_FLAGS == 78
     assert "ran" not in done.stdout
     assert "DSV4_FOLDED_FENCE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE?" in done.stderr
 
@@ -157,7 +158,7 @@ def environ(monkeypatch):
     for key in list(os.environ):
         if runtime.unknown_flags({key: ""}) or key in runtime.pack_flags() or key.startswith(("SGLANG_SPEC", "SGLANG_PLUGINS")):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(runtime, "_applied", None)
+    runtime.reset()
 
     def set_env(values):
         for key, value in values.items():
@@ -171,15 +172,15 @@ def test_launch_wrapper_and_strict_doctor_exit_alike(environ, monkeypatch, capsy
     environ(env)
     # Every case is refused before anything starts; were one not, nothing may replace pytest.
     monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail(f"the wrapper ran {a}"))
-    monkeypatch.setattr(entrypoint.runpy, "run_module", lambda *a, **k: pytest.fail("the server ran"))
+    monkeypatch.setattr(cli.runpy, "run_module", lambda *a, **k: pytest.fail("the server ran"))
     got = {}
     for form, argv in (("launch", ["launch", "--model-path", "/nonexistent"]),
                        ("bare server arguments", ["--model-path", "/nonexistent"]),
                        ("wrapper", ["--", "python", "-c", "raise SystemExit(0)"])):
-        monkeypatch.setattr(runtime, "_applied", None)
-        got[form] = entrypoint.main(argv)  # refused before the server or the command starts
-    got["doctor --strict"] = entrypoint.main(["doctor", "--strict"])
-    got["doctor"] = entrypoint.main(["doctor"])
+        runtime.reset()
+        got[form] = cli.main(argv)  # refused before the server or the command starts
+    got["doctor --strict"] = cli.main(["doctor", "--strict"])
+    got["doctor"] = cli.main(["doctor"])
     assert got == {"launch": status, "bare server arguments": status, "wrapper": status,
                    "doctor --strict": status, "doctor": 0}
     assert f"verdict: {'flag-error' if status == 78 else 'refused'} (doctor --strict exits {status})" in capsys.readouterr().out
@@ -242,7 +243,7 @@ def test_doctor_json_matches_its_schema(args, env, verdict):
     done = cli("doctor", "--json", "--strict", *args, **env)
     report = json.loads(done.stdout)
     assert schema_errors(report) == []
-    assert (report["verdict"], report["strict_exit_status"], done.returncode) == (verdict, *[entrypoint.VERDICT_STATUS[verdict]] * 2)
+    assert (report["verdict"], report["strict_exit_status"], done.returncode) == (verdict, *[cli.VERDICT_STATUS[verdict]] * 2)
     assert report["pack"]["version"] == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     rows = {r["flag"]: r for r in report["adapters"]}
     assert [r["adapter"] for r in report["adapters"]] == list(ADAPTERS)
@@ -432,7 +433,7 @@ def test_doctor_without_a_command_says_the_outcomes_hold_for_every_layout():
 ])
 def test_doctor_refuses_a_command_it_cannot_judge_with_64(command, why):
     done = cli("doctor", "--", *command)
-    assert done.returncode == entrypoint.EXIT_USAGE
+    assert done.returncode == cli.EXIT_USAGE
     assert why in done.stderr and done.stdout == ""
 
 
@@ -441,7 +442,7 @@ def test_the_wrapper_says_which_deployment_it_judged():
     assert done.returncode == 0 and done.stdout == "ran\n"
     assert "deployment: every layout (python3 does not start the engine's server)" in done.stderr
     parsed = subprocess.run(
-        [python(), "-c", "import entrypoint, sys; from adapter import runtime, topology; "
+        [python(), "-c", "import sys; from sglang_dsv41_adapters.framework import runtime, topology; "
          "print(topology.from_command(sys.argv[1:])[0].describe())", *SERVER, "--enable-dp-attention", "--dp-size", "4"],
         cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=240)
     assert parsed.stdout.strip() == "TP 4, DP attention 4 x attention-TP 1", parsed.stderr[-2000:]

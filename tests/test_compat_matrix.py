@@ -10,10 +10,11 @@ import subprocess
 
 import pytest
 
-from adapter import ADAPTERS, load, runtime
-from adapter.source_engine import SourceEngine
-from entrypoint import EXIT_REFUSED
-from tests.engines import ROOT, engine_env, python
+from sglang_dsv41_adapters import ADAPTERS, load
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+from sglang_dsv41_adapters.cli import EXIT_REFUSED
+from harness.engines import ROOT, engine_env, python
 
 SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
 

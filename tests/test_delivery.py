@@ -13,11 +13,12 @@ import subprocess
 
 import pytest
 
-from adapter import delivery, folded_fence, runtime
-from adapter.contract import InstalledEngine
-from adapter.source_engine import SourceEngine
-from tests.doctored import DoctoredEngine, doctored_module
-from tests.engines import ENGINE_PATHS, ROOT, engine_env, python, release_sources
+from sglang_dsv41_adapters.framework import delivery, runtime
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.engine.installed import InstalledEngine
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+from harness.doctored import DoctoredEngine, doctored_module
+from harness.engines import ENGINE_PATHS, ROOT, engine_env, python, release_sources
 
 OURS = "dsv41_adapters"
 FENCE_ON = {folded_fence.FLAG: "1"}
@@ -86,7 +87,7 @@ def rank_loads(value, results) -> None:
     load_plugins()
     import sglang.srt.managers.scheduler  # noqa: F401  (the pack's guard is set when this is imported)
 
-    from adapter import patching
+    from sglang_dsv41_adapters.framework import patching
 
     results.put(sorted(s.adapter for s in patching.applied()))
 
@@ -202,14 +203,14 @@ SAYS_THEN_LOADS = """
 import json, sys
 folder, first = sys.argv[1], sys.argv[2] == "first"
 sys.path.insert(0, folder) if first else sys.path.append(folder)
-from adapter import delivery, runtime
+from sglang_dsv41_adapters import delivery, runtime
 said = delivery.pack_entry_point({})
 problems = runtime.delivery_problems({})
 from sglang.srt.plugins import load_plugins
 load_plugins()
 import sglang.srt.managers.scheduler
 import rival_plugin
-from adapter import patching
+from sglang_dsv41_adapters import patching
 ours = any(s.adapter == "pack-guard" for s in patching.applied())
 print(json.dumps({"said": said and said.value, "problems": problems, "ours_ran": ours, "rival_ran": rival_plugin.RAN}))
 """

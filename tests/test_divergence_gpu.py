@@ -20,8 +20,9 @@ import functools
 import pytest
 import torch
 
-from adapter import divergence, runtime
-from adapter import tp_divergence as t
+from sglang_dsv41_adapters.tp_divergence import divergence
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters import tp_divergence as t
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: the counters must advance on CUDA graph replays"
@@ -48,7 +49,7 @@ class SkewedGroup:
 def report_on(monkeypatch):
     """The report switched on through the runtime, as every rank does (the installed engine
     judged without the plugin-delivery check: the pack may sit on PYTHONPATH here)."""
-    from tests.doctored import DoctoredEngine
+    from harness.doctored import DoctoredEngine
 
     monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)  # the engine's default: all
     decision = runtime.decide({t.FLAG: "1", t.EVERY_FLAG: "8"}, DoctoredEngine({}), names=(t.NAME,))
@@ -61,7 +62,7 @@ def report_on(monkeypatch):
 def replay(graph, skew, steps=REPLAYS):
     """Replay `steps` times, the skew set on the device before each; no host sync allowed."""
     ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
-    calls = divergence._calls
+    calls = divergence.calls()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(steps):
@@ -69,7 +70,7 @@ def replay(graph, skew, steps=REPLAYS):
             graph.replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert divergence._calls == calls  # the replays ran no Python: the graph counts alone
+    assert divergence.calls() == calls  # the replays ran no Python: the graph counts alone
     torch.cuda.synchronize()
 
 
@@ -148,13 +149,13 @@ def test_pack_broadcast_counts_every_replay():
     with tp_divergence's wrapper as its plan installs it there."""
     import wrapt
 
-    from adapter import broadcast as b
-    from adapter.sites import Site
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+    from sglang_dsv41_adapters.spectpsync.sites import Site
 
     device = torch.device("cuda")
     skew = torch.zeros((), dtype=torch.int64, device=device)
     b.bind_group(b.DSPARK, SkewedGroup(skew))
-    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t._compare_broadcast, 1000))
+    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
     source = torch.arange(3 * BS, device=device).view(3, BS)
     triple = [torch.empty(BS, dtype=torch.int64, device=device) for _ in range(3)]
 
@@ -168,15 +169,15 @@ def test_pack_broadcast_counts_every_replay():
         k = len(SKEWED)
         assert divergence.totals() == {"10:dspark-accept-graph": [REPLAYS, k, k * 3 * BS]}
     finally:
-        b._groups.clear()
+        b.reset()
         divergence.reset()
 
 
 def test_first_call_inside_capture_is_refused():
     """A counter made inside capture would be zeroed by every replay: refused, naming the site."""
-    from adapter.sites import Site
+    from sglang_dsv41_adapters.spectpsync.sites import Site
 
-    divergence._tallies.clear()
+    divergence.forget()
     values = torch.arange(BS, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="10:dspark-accept-graph first ran inside CUDA graph capture"):

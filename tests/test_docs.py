@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 import sys
 
-import entrypoint
-from adapter import runtime
-from adapter.source_engine import SourceEngine
-from tests.engines import ROOT, release_sources
+from sglang_dsv41_adapters import cli
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+from harness.engines import ROOT, release_sources
 
 sys.path.insert(0, str(ROOT / "tools"))
 import release_table  # noqa: E402
@@ -45,7 +45,7 @@ def test_the_0_5_16_claim_holds_on_its_sources():
 def test_readme_exit_statuses_are_the_commands():
     block = README[README.index("<!-- exit-statuses"):README.index("<!-- /exit-statuses -->")]
     rows = re.findall(r"^\| (\d+) \| (.+) \|$", block, re.M)
-    assert [(int(code), meaning) for code, meaning in rows] == list(entrypoint.EXIT_STATUSES)
+    assert [(int(code), meaning) for code, meaning in rows] == list(cli.EXIT_STATUSES)
 
 
 def test_readme_is_for_deployers_first_and_keeps_the_contributors_two_commands():
@@ -102,7 +102,7 @@ def test_the_changelog_has_the_version():
 
 def test_deepseek_v41_code_first_appears_in_0_5_21():
     """The recipe's claim, on every release's sources: no V4.1 model type before 0.5.21, V4 in all."""
-    from tests.engines import ENGINE_PATHS
+    from harness.engines import ENGINE_PATHS
 
     trees = {release: release_sources(release) for release in ("0.5.16", "0.5.17", "0.5.19", "0.5.20", "0.5.21",
                                                                "0.5.22", "0.5.23")}

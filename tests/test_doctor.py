@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 
-from adapter import load, runtime
-from adapter.source_engine import SourceEngine
-from tests.engines import ENGINE_PATHS, ROOT, engine_env, python
+from sglang_dsv41_adapters import load
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+from harness.engines import ENGINE_PATHS, ROOT, engine_env, python
 
 
 def doctor(release: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -23,7 +24,7 @@ def test_doctor_json_on_0_5_23_with_the_fence_on():
     assert (report["ranks"]["checked"], report["ranks"]["problems"]) == (True, [])
     # What the engine's own loader would run under the pack's name: the pack's entry point.
     entry = report["ranks"]["entry_point"]
-    assert (entry["name"], entry["value"]) == ("dsv41_adapters", "adapter.plugin:register")
+    assert (entry["name"], entry["value"]) == ("dsv41_adapters", "sglang_dsv41_adapters.framework.plugin:register")
     assert entry["distribution"].startswith("sglang-dsv41-adapters 0.1.0 (")
     fence = next(a for a in report["adapters"] if a["adapter"] == "folded_fence")
     assert (fence["flag"], fence["value"], fence["outcome"], fence["engine_check"]["outcome"]) == ("DSV41_FOLDED_FENCE", "1", "applied", "applied")

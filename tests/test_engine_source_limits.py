@@ -11,10 +11,10 @@ import zipfile
 
 import pytest
 
-from adapter import source_engine
-from adapter.source_engine import EngineSourceError, SourceEngine, open_engine, unpack_wheel
-from entrypoint import EXIT_USAGE
-from tests.engines import ROOT, engine_env, python, release_wheel
+from sglang_dsv41_adapters.engine import source_engine
+from sglang_dsv41_adapters.engine.source_engine import EngineSourceError, SourceEngine, open_engine, unpack_wheel
+from sglang_dsv41_adapters.cli import EXIT_USAGE
+from harness.engines import ROOT, engine_env, python, release_wheel
 
 
 def doctor_engine(path) -> subprocess.CompletedProcess:

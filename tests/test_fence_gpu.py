@@ -16,7 +16,7 @@ six fields, over many trials, at bs 1, 8, 64 and 256, for both ways the fence co
 (one launch into a fresh block, and the plain clones it falls back to).
 
 The one-launch copy comes from the prebuilt kernel file ($SGLANG_ADAPTERS_SNAPSHOT_KERNEL, built
-with `python3 -P -m adapter.accept_snapshot build`, as the image does); without it those tests
+with `python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build`, as the image does); without it those tests
 fail with copy_mode()'s reason. Skipped without CUDA. Run on a GPU machine:
 `python -m pytest tests/test_fence_gpu.py -q`.
 """
@@ -29,22 +29,19 @@ import types
 import pytest
 import torch
 
-from adapter import accept_snapshot, folded_fence, runtime
+from sglang_dsv41_adapters.folded_fence import accept_snapshot
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework import runtime
+
+from harness.fence import STRIDE, fence_on, folded_kwargs
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: the race is between real CUDA streams"
 )
 
 
-def fence_on():
-    """Switch the fence on in this process, as the launcher and every rank do; its plan."""
-    decision = runtime.decide({folded_fence.FLAG: "1"}, names=(folded_fence.NAME,))
-    runtime.apply(decision)
-    return decision.plans[folded_fence.NAME]
-
-
 FIELDS = folded_fence.FIELDS
-MAX_BS, STRIDE = 256, 4
+MAX_BS = 256
 BATCH_SIZES = (1, 8, 64, 256)
 FURTHER_STEPS = 8  # verify steps run on the forward stream while the readback is stalled
 # Spin cycles on the copy stream (~2 GHz: 30M cycles is about 15 ms); checked below.
@@ -96,16 +93,6 @@ def gpu():
     )
     runtime.revert()
     accept_snapshot.use_extension(True)
-
-
-def folded_kwargs(bs: int, device) -> dict:
-    """The worker's keyword arguments; the folded path reads only folded_accept and bs."""
-    ids = torch.zeros(bs, STRIDE, dtype=torch.int64, device=device)
-    return dict(
-        folded_accept=True, bs=bs, verify_ids_2d=ids, target_logits=None, draft_block=None, sampling_info=None,
-        draft_input=None, layout=None, prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
-        draft_tokens=ids[:, 1:],
-    )
 
 
 def folded_result(gpu, kwargs) -> dict:
@@ -270,8 +257,9 @@ def test_boundary_keeps_step_n_for_a_route_the_fence_does_not_know(gpu, bs, tmp_
     place. The results come from an escape route added in a doctored copy of dspark_verify;
     the host must still read step N in every field."""
     from sglang.srt.managers.utils import GenerationBatchResult
-    from adapter import fence_boundary, patching
-    from tests.doctored import doctored_module
+    from sglang_dsv41_adapters.folded_fence import fence_boundary
+    from sglang_dsv41_adapters.framework import patching
+    from harness.doctored import doctored_module
 
     doctored = doctored_module(folded_fence.VERIFY, ESCAPE, directory=tmp_path)
     executor = object.__new__(doctored.TargetVerifyExecutor)

@@ -21,9 +21,11 @@ import types
 import pytest
 import torch
 
-from adapter import fence_boundary, fence_forms, folded_fence, holders, runtime
+from sglang_dsv41_adapters.folded_fence import fence_boundary, fence_forms, holders
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework import runtime
 from tests.conftest import Step, accept_kwargs, build_dspark
-from tests.doctored import DoctoredEngine, doctored_module
+from harness.doctored import DoctoredEngine, doctored_module
 
 V, W, UTILS = folded_fence.VERIFY, folded_fence.WORKER, "sglang.srt.managers.utils"
 FIELDS = folded_fence.FIELDS
@@ -34,7 +36,7 @@ CALLS = fence_forms.PROOF_CALLS + 2  # the proofs, then the cheap form's own cal
 @pytest.fixture(autouse=True)
 def fresh(verify, monkeypatch):
     """Each test starts unpatched, with no line said yet."""
-    monkeypatch.setattr(fence_boundary, "_said", set())
+    fence_boundary.reset()
     yield
     runtime.revert()
 
@@ -568,7 +570,7 @@ def test_boundary_stops_at_its_budget_after_the_results_own_fields(dspark, capfd
 
 @pytest.mark.parametrize("shadow", [False, True], ids=["as released", "read_accept shadowed at run time"])
 def test_the_fence_hands_out_0_5_18s_own_values(shadow):
-    from tests.ranks import run_ranks
+    from harness.ranks import run_ranks
 
     [result] = run_ranks(1, "tests.fence_proof_cases:folded_result_on_the_release", release="0.5.18",
                          kwargs={"shadow": shadow})

@@ -6,9 +6,10 @@ import subprocess
 
 import pytest
 
-from adapter import folded_fence, runtime
-from adapter.flags import FlagError, parse_switch
-from tests.engines import ROOT, engine_env, python
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.framework.flags import FlagError, parse_switch
+from harness.engines import ROOT, engine_env, python
 
 GOOD = {"1": True, "0": False, "on": True, "off": False, "true": True, "false": False, "none": False,
         "ON": True, "Off": False, "TRUE": True, "False": False, "tRuE": True, "NONE": False}

@@ -11,9 +11,11 @@ import types
 import pytest
 import torch
 
-from adapter import accept_snapshot, fence_forms, folded_fence, patching, runtime
+from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_forms
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework import patching, runtime
 from tests.conftest import Step, accept_kwargs
-from tests.doctored import DoctoredEngine, Drift, doctored_module
+from harness.doctored import DoctoredEngine, Drift, doctored_module
 
 SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
 
@@ -246,8 +248,8 @@ def folded_wrapper(decision):
 def test_cheap_form_replicates_each_releases_folded_branch(release, notes):
     """0.5.23's folded branch calls note_static_verify(bs) before read_accept(bs), 0.5.18's
     does not: the fence does exactly what each release's branch does."""
-    from adapter.source_engine import SourceEngine
-    from tests.engines import ENGINE_PATHS
+    from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+    from harness.engines import ENGINE_PATHS
 
     engine = None if release == "0.5.23" else SourceEngine(ENGINE_PATHS[release][0])
     wrapper = folded_wrapper(runtime.decide({folded_fence.FLAG: "1"}, engine, names=(folded_fence.NAME,)))
@@ -302,7 +304,7 @@ def test_struct_built_another_way_takes_the_general_form(tmp_path):
     """A struct with its own __init__: the general form copies it without building it anew,
     the cheap form (which builds it as read_accept does) is not used; read from source the
     way doctor --engine reads it."""
-    from adapter.source_engine import SourceEngine
+    from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 
     root = tmp_path / "engine"
     shutil.copytree(SITE_PACKAGES / "sglang", root / "sglang",
@@ -338,7 +340,7 @@ def test_boundary_copies_a_result_that_escaped_by_an_unknown_route(dspark, capfd
     N after the buffers are rewritten, and the route is named once per process."""
     from sglang.srt.managers.utils import GenerationBatchResult
     from sglang.srt.speculative.dspark_components import dspark_worker_v2 as worker_module
-    from adapter import fence_boundary
+    from sglang_dsv41_adapters.folded_fence import fence_boundary
 
     bs = 4
     fence_on()
@@ -370,7 +372,7 @@ def test_boundary_copies_a_result_that_escaped_by_an_unknown_route(dspark, capfd
 
 def test_boundary_leaves_fresh_results_alone(dspark):
     from sglang.srt.managers.utils import GenerationBatchResult
-    from adapter import fence_boundary
+    from sglang_dsv41_adapters.folded_fence import fence_boundary
 
     fresh = torch.arange(4)
     result = GenerationBatchResult(accept_lens=fresh, next_draft_input=types.SimpleNamespace(bonus_tokens=fresh + 1))

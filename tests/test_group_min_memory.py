@@ -30,15 +30,16 @@ import subprocess
 
 import pytest
 
-from adapter import group_min_memory as gm
-from adapter import patching, runtime, upstream_sync
-from adapter.flags import FlagError
-from adapter.topology import REPRESENTATIVE
+from sglang_dsv41_adapters import group_min_memory as gm
+from sglang_dsv41_adapters.framework import patching, runtime
+from sglang_dsv41_adapters.spectpsync import upstream_sync
+from sglang_dsv41_adapters.framework.flags import FlagError
+from sglang_dsv41_adapters.framework.topology import REPRESENTATIVE
 from tests import mem_cases
-from tests.doctored import DoctoredEngine, Drift
-from tests.engines import ROOT, engine_env, python
-from tests.ranks import run_ranks
-from tests.tp_nccl_cases import spawn_ranks
+from harness.doctored import DoctoredEngine, Drift
+from harness.engines import ROOT, engine_env, python
+from harness.ranks import run_ranks
+from harness.nccl import spawn_ranks
 
 ON = {gm.FLAG: "1"}
 ONLY = (gm.NAME,)

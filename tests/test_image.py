@@ -13,7 +13,7 @@ engine but not that editable pack, only the wheel, as the image does. So:
 - `python -m venv --without-pip` from the .venv interpreter makes a venv on the same base
   Python (3.11) that sees nothing of .venv;
 - a folder of symlinks to every entry of .venv's site-packages except the pack's own
-  (its dist-info, the `__editable__` finder and .pth, `adapter`, `entrypoint`) stands in for the
+  (its dist-info, the `__editable__` finder and .pth, `sglang_dsv41_adapters`) stands in for the
   image's system site-packages, and one line in a .pth file of the fresh venv puts that folder on
   sys.path, after the venv's own site-packages (a plain path line: .pth files inside the folder
   are not run, so the editable finder never loads);
@@ -49,7 +49,7 @@ HADOLINT = Path(sys.executable).parent / "hadolint"
 ENGINE = importlib.metadata.version("sglang")
 PACK_DIST = "sglang_dsv41_adapters"
 # What the Dockerfile's builder stage copies into the wheel's build context.
-WHEEL_SOURCES = ("pyproject.toml", "entrypoint.py", "README.md", "LICENSE", "adapter")
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "LICENSE", "adapter")
 LINE = re.compile(
     r"^\[sglang-adapters\] pid=(\d+) rank=launcher (\w+) (DSV41_\w+)=(<unset>|'[^']*'): "
     r"(APPLIED|OFF|SUPERSEDED|REFUSED) - .* \(sglang [\w.]+\)$"
@@ -170,7 +170,7 @@ def image(tmp_path_factory) -> Image:
     shadow.mkdir()
     for entry in engine_site.iterdir():
         name = entry.name.lower().replace("-", "_")
-        if (name.startswith((PACK_DIST, "__editable__", "adapter", "entrypoint"))
+        if (name.startswith((PACK_DIST, "__editable__", "sglang_dsv41_adapters"))
                 or name.endswith(".pth") or name == "__pycache__"):
             continue
         (shadow / entry.name).symlink_to(entry)
@@ -276,17 +276,17 @@ def adapter_lines(stderr: str) -> list[re.Match]:
 
 def test_the_image_runs_the_wheel_not_the_source_tree(image):
     code = (
-        "import json, importlib.metadata as m, adapter, entrypoint;"
+        "import json, importlib.metadata as m, sglang_dsv41_adapters; from sglang_dsv41_adapters import cli;"
         "eps = [e.value for e in m.entry_points(group='sglang.srt.plugins')];"
         "dists = [d.metadata['Name'] for d in m.distributions() if d.metadata['Name'] == 'sglang-dsv41-adapters'];"
-        "print(json.dumps([adapter.__file__, entrypoint.__file__, eps, dists, m.version('sglang'), m.version('wrapt')]))"
+        "print(json.dumps([sglang_dsv41_adapters.__file__, cli.__file__, eps, dists, m.version('sglang'), m.version('wrapt')]))"
     )
     done = image.run(["python", "-c", code])
     assert done.returncode == 0, done.stderr
     adapter_file, entry_file, eps, dists, engine, wrapt = json.loads(done.stdout)
     for path in (adapter_file, entry_file):
         assert Path(path).is_relative_to(image.venv) and not Path(path).is_relative_to(ROOT), path
-    assert eps == ["adapter.plugin:register"] and dists == ["sglang-dsv41-adapters"]
+    assert eps == ["sglang_dsv41_adapters.framework.plugin:register"] and dists == ["sglang-dsv41-adapters"]
     assert (engine, wrapt) == (ENGINE, "2.5.2")
 
 
@@ -367,7 +367,7 @@ def test_a_bad_flag_value_stops_the_launch_before_the_engine(image, bad):
 # The RUN that builds the snapshot kernel, run as docker runs it: the Dockerfile's SHELL, its
 # ARGs (defaults, overridden like --build-arg) and ENVs in the environment, in the image's
 # Python. CUDA_HOME pointing nowhere makes the build fail as on a base image without nvcc.
-KERNEL_STEP = "adapter.accept_snapshot build"
+KERNEL_STEP = "sglang_dsv41_adapters.folded_fence.accept_snapshot build"
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -388,7 +388,7 @@ def run_kernel_step(image: Image, kernel: Path, build_args: dict[str, str], env:
 
 
 def test_the_kernel_step_builds_what_the_ranks_load():
-    from adapter import accept_snapshot
+    from sglang_dsv41_adapters.folded_fence import accept_snapshot
 
     args, env, step = dockerfile_args(), dockerfile_env(), kernel_build_step()
     assert args["SNAPSHOT_KERNEL_ARCHS"].strip('"') == accept_snapshot.DEFAULT_ARCHS == "9.0 10.0"
@@ -437,7 +437,7 @@ def test_allow_clone_fence_ships_the_image_without_the_kernel(image, tmp_path):
     assert "NOT BUILT, the fence will use clones (allowed by ALLOW_CLONE_FENCE=1)" in done.stderr
     assert not kernel.exists() and not list(kernel.parent.glob("*"))
     # What a rank on an H200 of that image would say (no GPU here: the loader asked directly).
-    code = "from adapter import accept_snapshot as a; print(a._probe(a.kernel_path(), (9, 0))[0])"
+    code = "from sglang_dsv41_adapters.folded_fence import accept_snapshot as a; print(a._probe(a.kernel_path(), (9, 0))[0])"
     probe = image.run(["python", "-c", code], {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)})
     assert probe.stdout.strip() == str(("clones", f"kernel not built ({kernel} missing)")), probe.stderr
 

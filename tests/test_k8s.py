@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from adapter import runtime
-from tests.engines import ROOT
+from sglang_dsv41_adapters.framework import runtime
+from harness.engines import ROOT
 from tests.test_image import ENV_FILE, read_env_file, read_server_args
 
 K8S = ROOT / "recipes" / "dsv41-flash-tp4-dspark" / "k8s"
@@ -166,7 +166,7 @@ def test_the_pods_service_links_would_not_stop_the_pack(address):
 
 def test_the_engine_reads_the_multi_node_arguments():
     """The LeaderWorkerSet's arguments as its pods get them, read by the engine's own parser."""
-    from adapter import topology
+    from sglang_dsv41_adapters.framework import topology
 
     (lws,) = objects("LeaderWorkerSet")
     args = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["args"]

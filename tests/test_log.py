@@ -1,4 +1,4 @@
-"""The pack's lines (adapter.log): each names its process's rank, JSON mode has a timestamp,
+"""The pack's lines (adapter.framework.log): each names its process's rank, JSON mode has a timestamp,
 and a scheduler is labelled with its rank as the engine places it (0.5.18: the Scheduler's
 arguments; 0.5.23: the engine's published parallel context)."""
 
@@ -11,13 +11,13 @@ import subprocess
 
 import pytest
 
-from adapter import log
-from tests.engines import ROOT, engine_env, python
+from sglang_dsv41_adapters.framework import log
+from harness.engines import ROOT, engine_env, python
 
 
 @pytest.fixture
 def label(monkeypatch):
-    monkeypatch.setattr(log, "_label", None)
+    log.reset()
 
 
 def test_text_and_json_lines(label, monkeypatch, capsys):
@@ -61,7 +61,7 @@ def test_a_scheduler_that_cannot_be_placed_is_still_no_launcher(label):
 def test_a_0_5_18_scheduler_is_labelled_from_its_arguments():
     """0.5.16-0.5.20: Scheduler(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank,
     attn_cp_rank, moe_dp_rank, dp_rank), as run_scheduler_process calls it."""
-    code = ("from sglang.srt.managers.scheduler import Scheduler; from adapter import log; "
+    code = ("from sglang.srt.managers.scheduler import Scheduler; from sglang_dsv41_adapters.framework import log; "
             "init = Scheduler.__init__.__get__(object.__new__(Scheduler)); "
             "print(log.label_scheduler(init, (None, None, 3, 3, 0, 0, 0, 0, None), {})); "
             "print(log.label_scheduler(init, (None, None, 1, 1, 0, 1, 0, 0, 2), {}))")

@@ -9,8 +9,9 @@ import os
 
 import pytest
 
-from adapter import ADAPTERS, metrics, runtime
-from tests.engines import metric_samples, served_metrics
+from sglang_dsv41_adapters import ADAPTERS
+from sglang_dsv41_adapters.framework import metrics, runtime
+from harness.engines import metric_samples, served_metrics
 
 ROUTE = "DSparkWorkerV2Output.next_draft_input.accept_lens <- DsparkVerifyEpilogue.commit_lens_buf"
 SERVED_ROUTE = "SimpleNamespace.next_draft_input.accept_lens <- SimpleNamespace.commit_lens_buf"  # what rank_process copies
@@ -20,7 +21,7 @@ RANKS = 3
 def rank_process(rank: int) -> None:
     """One rank: the label the plugin gives it, the decision and the apply every rank takes
     (runtime.apply_once, which records the outcomes), then what the fence records as it runs."""
-    from adapter import log
+    from sglang_dsv41_adapters.framework import log
 
     log.set_process_label(rank)
     decision = runtime.apply_once(os.environ)
@@ -30,7 +31,7 @@ def rank_process(rank: int) -> None:
 
     import torch
 
-    from adapter import fence_boundary
+    from sglang_dsv41_adapters.folded_fence import fence_boundary
 
     # rank r hands r results holding a view of a verify buffer to the fence's boundary check
     epilogue = types.SimpleNamespace(commit_lens_buf=torch.zeros(8, dtype=torch.int32))
@@ -85,8 +86,8 @@ def test_the_fences_copy_and_boundary_copies_are_served(served):
 
 def test_nothing_is_recorded_without_the_engines_metrics(monkeypatch):
     monkeypatch.delenv(metrics.FOLDER, raising=False)
-    monkeypatch.setattr(metrics, "_made", {})
+    metrics.reset()
     metrics.copy_mode("clones")
     metrics.count_boundary_copy(ROUTE)
     metrics.outcomes(runtime.decide({}), {})
-    assert metrics._made == {}  # no metric made, nothing written
+    assert metrics.made() == []  # no metric made, nothing written

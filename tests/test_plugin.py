@@ -16,7 +16,8 @@ import multiprocessing
 
 import pytest
 
-from adapter import folded_fence, runtime
+from sglang_dsv41_adapters import folded_fence
+from sglang_dsv41_adapters.framework import runtime
 
 
 # A second engine module that binds the fenced method before the pack applies.
@@ -37,7 +38,7 @@ def rank_process(doctor_engine, tmp_dir: str, results, server_argv=None) -> None
         server_args = rank_server_args(server_argv)
     import sys
 
-    from tests.doctored import doctored_module
+    from harness.doctored import doctored_module
 
     if doctor_engine == "alias":  # an engine that binds the original in a second module
         sys.modules[ALIASING] = doctored_module(ALIASING, tail=ALIAS, directory=tmp_dir)
@@ -54,7 +55,7 @@ def rank_process(doctor_engine, tmp_dir: str, results, server_argv=None) -> None
         raise  # the refusal must stop this process
     except Exception as exc:  # the real constructor on placeholder arguments
         results.put(("constructor", type(exc).__name__))
-    from adapter import patching
+    from sglang_dsv41_adapters.framework import patching
 
     # What the runtime replaced in this rank, by adapter and binding.
     results.put(("patched", sorted(f"{s.adapter}:{s.name}" for s in patching.applied())))

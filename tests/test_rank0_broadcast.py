@@ -8,11 +8,12 @@ import types
 
 import pytest
 
-from adapter import rank0_broadcast as r
-from adapter import runtime, sites
-from adapter.flags import FlagError
-from tests.doctored import Drift
-from tests.ranks import run_ranks
+from sglang_dsv41_adapters import rank0_broadcast as r
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.spectpsync import sites
+from sglang_dsv41_adapters.framework.flags import FlagError
+from harness.doctored import Drift
+from harness.ranks import run_ranks
 
 # Which value keys (tests/broadcast_cases.run_sites) each site protects.
 SITE_KEYS = {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import ROOT
+from harness.engines import ROOT
 
 RECIPE = ROOT / "recipes" / "dsv41-flash-tp4-dspark"
 IMAGE = "sglang-dsv41:0.5.23-cu130-pack0.1.0"

@@ -3,7 +3,7 @@
 No GPU here, so `copy_mode()` itself says "no CUDA"; the loader's decision for a GPU is tested
 through `_probe(path, capability)` with the capability such a GPU reports. Where a CUDA compiler
 is found (CUDA_HOME, else /usr/local/cuda), a real kernel file is built once for sm_80 with the
-command the image build runs (`python3 -P -m adapter.accept_snapshot build`) and loaded by path.
+command the image build runs (`python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build`) and loaded by path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from adapter import accept_snapshot
+from sglang_dsv41_adapters.folded_fence import accept_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -31,7 +31,7 @@ def cuda_home() -> str | None:
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """The module's command line, as the Dockerfile runs it (`python3 -P -m ...`)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-P", "-m", "adapter.accept_snapshot", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-P", "-m", "sglang_dsv41_adapters.folded_fence.accept_snapshot", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=280)
 
 
@@ -53,7 +53,7 @@ def sm80(tmp_path_factory) -> Path:
 def test_copy_mode_without_cuda_says_so_and_compiles_nothing(tmp_path):
     """In a fresh interpreter: no GPU, so clones, "no CUDA"; torch's compiler machinery is not
     even imported, and nothing is written."""
-    code = ("import sys; from adapter import accept_snapshot as a; print(a.copy_mode());"
+    code = ("import sys; from sglang_dsv41_adapters.folded_fence import accept_snapshot as a; print(a.copy_mode());"
             "print('torch.utils.cpp_extension' in sys.modules)")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "",
            accept_snapshot.PATH_ENV: str(tmp_path / "k.so"), "HOME": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -165,7 +165,7 @@ def test_the_kernel_file_loads_read_only_from_a_fresh_interpreter(sm80, tmp_path
     kernel.chmod(0o444)
     folder.chmod(0o555)
     try:
-        code = ("from adapter import accept_snapshot as a; (mode, where), k = a._probe(a.kernel_path(), (8, 0));"
+        code = ("from sglang_dsv41_adapters.folded_fence import accept_snapshot as a; (mode, where), k = a._probe(a.kernel_path(), (8, 0));"
                 "print(mode, where == k.__file__)")
         env = {**os.environ, "PYTHONPATH": str(ROOT), accept_snapshot.PATH_ENV: str(kernel),
                "PYTHONDONTWRITEBYTECODE": "1"}
@@ -222,9 +222,10 @@ def test_the_expected_copy_for_a_kernel_of_another_arch(sm80, monkeypatch):
 
 
 def test_the_applied_line_and_doctor_say_which_copy(monkeypatch):
-    import entrypoint
-    from adapter import folded_fence, runtime
-    from adapter.contract import InstalledEngine
+    from sglang_dsv41_adapters import cli
+    from sglang_dsv41_adapters import folded_fence
+    from sglang_dsv41_adapters.framework import runtime
+    from sglang_dsv41_adapters.engine.installed import InstalledEngine
 
     monkeypatch.setattr(accept_snapshot, "nvml_capabilities", lambda: [])  # this machine: no GPU
     environ = {folded_fence.FLAG: "1"}
@@ -233,6 +234,6 @@ def test_the_applied_line_and_doctor_say_which_copy(monkeypatch):
     assert "APPLIED - copy: clones (no CUDA); fenced TargetVerifyExecutor." in line  # the copy first: never cut
     assert len(line) < 200
     assert '"machine":"copy: clones (no CUDA)"' in decision.lines("json")[0]
-    row = next(r for r in entrypoint.report(environ, InstalledEngine())["adapters"] if r["adapter"] == folded_fence.NAME)
+    row = next(r for r in cli.report(environ, InstalledEngine())["adapters"] if r["adapter"] == folded_fence.NAME)
     assert row["machine"] == "copy: clones (no CUDA)"
     assert runtime.decide({}, names=(folded_fence.NAME,)).lines()[0].endswith("OFF - DSV41_FOLDED_FENCE is off (sglang 0.5.23)")

@@ -5,7 +5,7 @@ from its source, the same way for the installed engine and a release read from i
   each reason names what was shown and the server arguments it was judged for.
 - Doctored copies of the real 0.5.23 modules, each doctoring applied twice: to the module the
   installed engine imports (tests/doctored.py: a copy, run) and to the same file in a copy of
-  the release's sources read by adapter.source_engine. Where the broadcast is not shown,
+  the release's sources read by adapter.engine.source_engine. Where the broadcast is not shown,
   rank0_broadcast and tp_divergence are refused; where the probe is not shown,
   group_min_memory is applied by the pack; the outcome is the same on both sides and the
   reason names what was not shown.
@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from adapter import group_min_memory as gm
-from adapter import rank0_broadcast as r0
-from adapter import runtime, upstream_sync
-from adapter import tp_divergence as td
-from adapter.source_engine import SourceEngine
-from adapter.topology import REPRESENTATIVE, Topology
-from tests.doctored import DoctoredEngine, doctored_module, new_module_file
-from tests.engines import release_sources
+from sglang_dsv41_adapters import group_min_memory as gm
+from sglang_dsv41_adapters import rank0_broadcast as r0
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.spectpsync import upstream_sync
+from sglang_dsv41_adapters import tp_divergence as td
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+from sglang_dsv41_adapters.framework.topology import REPRESENTATIVE, Topology
+from harness.doctored import DoctoredEngine, doctored_module, new_module_file
+from harness.engines import release_sources
 
 SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
 SYNC = upstream_sync.MODULE
@@ -312,7 +313,7 @@ def test_the_probe_leaves_the_process_as_it_was(monkeypatch):
     sync = importlib.import_module(SYNC)
     monkeypatch.setenv(upstream_sync.ENGINE_FLAG, "all,-dspark-plan")
     before, attrs = dict(os.environ), dict(vars(sync.SpecTpSync))
-    upstream_sync._PROBED.clear()
+    upstream_sync.reset()
     reason = runtime.decide({td.FLAG: "1", upstream_sync.ENGINE_FLAG: "all,-dspark-plan"}, names=(td.NAME,),
                             topology=TP4).outcomes[0].reason
     assert "off: 7:dspark-plan" in reason
@@ -331,7 +332,7 @@ def test_the_probe_sees_what_the_source_cannot(monkeypatch):
 def test_the_pack_own_wrappers_are_looked_through():
     """tp_divergence wraps SpecTpSync.sync and group_min_memory available_memory_gb: deciding
     again with them in place proves the engine's functions underneath."""
-    from adapter import patching
+    from sglang_dsv41_adapters.framework import patching
 
     environ = {td.FLAG: "1", gm.FLAG: "1"}
     runtime.apply(runtime.decide(environ, names=(td.NAME, gm.NAME)))  # deployment unknown: both applied

@@ -9,13 +9,14 @@ import re
 
 import pytest
 
-from adapter import divergence, runtime
-from adapter import tp_divergence as t
-from adapter.flags import FlagError
-from adapter.topology import REPRESENTATIVE
-from tests.doctored import Drift
-from tests.engines import metric_samples, served_metrics
-from tests.ranks import run_ranks
+from sglang_dsv41_adapters.tp_divergence import divergence
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters import tp_divergence as t
+from sglang_dsv41_adapters.framework.flags import FlagError
+from sglang_dsv41_adapters.framework.topology import REPRESENTATIVE
+from harness.doctored import Drift
+from harness.engines import metric_samples, served_metrics
+from harness.ranks import run_ranks
 
 N = 12
 SKEWED = [1, 4, 5, 10]  # k = 4 of n = 12 steps
@@ -226,10 +227,10 @@ def test_no_site_to_compare_is_refused(clean_env, environ):
 
 def test_engine_check_on_the_release_sources():
     """doctor --engine and the compatibility matrix: judged with the pack's broadcast on."""
-    from adapter.source_engine import SourceEngine
-    from tests.engines import ENGINE_PATHS
+    from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+    from harness.engines import ENGINE_PATHS
 
-    state, reason = runtime.engine_check(t, SourceEngine(ENGINE_PATHS["0.5.18"][0]))
+    state, reason = runtime.engine_check(t.SURFACE, SourceEngine(ENGINE_PATHS["0.5.18"][0]))
     assert state == runtime.APPLIED and "at the pack's broadcast (adapter.rank0_broadcast.broadcast)" in reason
     assert "7:dspark-plan: broadcast by the engine itself before 0.5.19" in reason
     # the deployment's own decision on that release: without the broadcast, nothing to compare
@@ -257,7 +258,7 @@ def test_refused_on_doctored_0523(clean_env, old, new, symbol):
 def test_doctor_reports_the_sites(clean_env):
     import subprocess
 
-    from tests.engines import ROOT, engine_env, python
+    from harness.engines import ROOT, engine_env, python
 
     done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=engine_env("0.5.23", DSV41_TP_DIVERGENCE="1",

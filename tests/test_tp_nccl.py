@@ -38,8 +38,9 @@ import pytest
 import torch
 
 from tests import tp18_cases
-from tests.engines import ENGINE_PATHS
-from tests.tp_nccl_cases import BS, spawn_ranks
+from harness.engines import ENGINE_PATHS
+from harness.nccl import spawn_ranks
+from tests.tp_nccl_cases import BS
 
 N = 24
 SKEWED = [2, 5, 11, 17, 23]  # k = 5 of n = 24 replays

@@ -9,9 +9,10 @@ import subprocess
 
 import pytest
 
-from adapter import ADAPTERS, load, runtime
-from adapter.source_engine import UNRELEASED, SourceEngine
-from tests.engines import ENGINE_PATHS, PREVIEW, ROOT, engine_env, python, relabelled, release_sources
+from sglang_dsv41_adapters import ADAPTERS, load
+from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.engine.source_engine import UNRELEASED, SourceEngine
+from harness.engines import ENGINE_PATHS, PREVIEW, ROOT, engine_env, python, relabelled, release_sources
 
 COMBOS = [
     {},

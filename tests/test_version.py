@@ -10,9 +10,9 @@ import importlib.util
 import pathlib
 import shutil
 
-from adapter import contract
-from adapter.source_engine import Label, read_label
-from tests.engines import ENGINE_PATHS
+from sglang_dsv41_adapters.engine import installed
+from sglang_dsv41_adapters.engine.source_engine import Label, read_label
+from harness.engines import ENGINE_PATHS
 
 PACKAGE = pathlib.Path(importlib.util.find_spec("sglang").origin).parent
 
@@ -68,9 +68,9 @@ def test_the_installed_label_never_comes_from_importlib_metadata(monkeypatch):
     """importlib.metadata answers for whichever installation it finds first; the label comes
     from the tree that is imported."""
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
-    assert contract.engine_version() == "0.5.23"
-    assert contract.InstalledEngine().label == Label("0.5.23", "sglang/_version.py")
-    assert contract.InstalledEngine().origin == PACKAGE.parent
+    assert installed.engine_version() == "0.5.23"
+    assert installed.InstalledEngine().label == Label("0.5.23", "sglang/_version.py")
+    assert installed.InstalledEngine().origin == PACKAGE.parent
 
 
 def test_what_counts_as_a_release():
@@ -81,7 +81,7 @@ def test_what_counts_as_a_release():
 def test_a_wheel_without_a_version_file_is_labelled_by_its_own_dist_info(tmp_path):
     import zipfile
 
-    from adapter.source_engine import open_engine
+    from sglang_dsv41_adapters.engine.source_engine import open_engine
 
     wheel = tmp_path / "sglang-0.5.21-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:

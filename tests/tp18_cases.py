@@ -3,7 +3,7 @@ own graph-folded draft sampling and captured accept, over its own GroupCoordinat
 in one CUDA graph inside the coordinator's graph_capture() context, with the rank-0
 broadcast installed through the runtime (DSV41_SPEC_TP_SYNC=all) or not (flag unset).
 
-The ranks are spawned by tests.tp_nccl_cases.spawn_ranks with 0.5.18 first on sys.path.
+The ranks are spawned by harness.nccl.spawn_ranks with 0.5.18 first on sys.path.
 One region holds what the engine runs inside its draft and verify graphs:
   - DsparkDraftSampler.__call__ greedy (folded_sampling=False: greedy_step_sampler) and
     folded (SampleStepTokens: greedy rows and Gumbel-sampled rows, same seed on every rank),
@@ -44,8 +44,8 @@ BINDINGS = (("dspark_draft_sampler", "greedy_step_sampler"), ("dspark_draft_samp
 
 def _configure(value):
     """The rank-0 broadcast set to `value` (None: unset) through the runtime, as every rank does."""
-    from adapter import rank0_broadcast as r
-    from tests.tp_nccl_cases import switch
+    from sglang_dsv41_adapters import rank0_broadcast as r
+    from harness.nccl import switch
 
     return switch(r, {} if value is None else {r.FLAG: value})
 
@@ -134,7 +134,7 @@ def _fields(greedy, folded, epilogue):
 def _wrapped(originals) -> dict:
     import importlib
 
-    from adapter import rank0_broadcast as r
+    from sglang_dsv41_adapters import rank0_broadcast as r
 
     out = {}
     for module, name in BINDINGS:
@@ -145,8 +145,9 @@ def _wrapped(originals) -> dict:
 
 def _variant(rank, group, nccl, device, n, skewed, originals):
     """One capture of the region and n replays under the current decision."""
-    from adapter.broadcast import COUNTS
-    from tests.tp_nccl_cases import _replays, capture
+    from sglang_dsv41_adapters.spectpsync.broadcast import COUNTS
+    from harness.nccl import capture
+    from tests.tp_nccl_cases import _replays
 
     skew = torch.zeros((), device=device)
     x = _inputs(device)
@@ -204,10 +205,10 @@ def release18_case(rank, world, nccl, n, skewed):
     import sglang
     import torch.distributed as dist
 
-    from adapter import broadcast as b
-    from adapter import rank0_broadcast as r
-    from adapter.contract import engine_version
-    from tests.tp_nccl_cases import device_of, make_group
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+    from sglang_dsv41_adapters import rank0_broadcast as r
+    from sglang_dsv41_adapters.engine.installed import engine_version
+    from harness.nccl import device_of, make_group
 
     skewed = frozenset(skewed)
     originals = {(m, name): vars(importlib.import_module(f"{r.PACKAGE}.{m}"))[name] for m, name in BINDINGS}
@@ -225,7 +226,7 @@ def release18_case(rank, world, nccl, n, skewed):
             out["variants"][name] = dict(result, state=state)
     finally:
         _configure(None)
-        b._groups.clear()
+        b.reset()
     reference = histories["off"].clone()
     dist.broadcast(reference, src=0)  # rank 0's values without the adapter, over the gloo default group
     for name, history in histories.items():

@@ -7,9 +7,9 @@ Releases: 0.5.16 and every later one the package registry offers when this runs
 (`pip index versions sglang`), or those named with --releases. Each wheel is
 downloaded once into .engines/wheels, its Python sources unpacked into
 .engines/src/<release>, and each adapter's contract checked on those sources with
-adapter.source_engine (nothing of the engine is imported or run). The result is
+adapter.engine.source_engine (nothing of the engine is imported or run). The result is
 what `entrypoint.py doctor` would report as the engine check on that release, for any
-deployment, and again for each representative layout (adapter.topology.REPRESENTATIVE: TP
+deployment, and again for each representative layout (adapter.framework.topology.REPRESENTATIVE: TP
 only, DP attention with attention-TP 1 and 2), where a verdict can depend on it.
 """
 
@@ -25,8 +25,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from adapter import ADAPTERS, load, runtime, topology  # noqa: E402
-from adapter.source_engine import SourceEngine, unpack_wheel  # noqa: E402
+from sglang_dsv41_adapters import ADAPTERS, load
+from sglang_dsv41_adapters.framework import runtime, topology  # noqa: E402
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine, unpack_wheel  # noqa: E402
 
 FIRST = (0, 5, 16)
 DOC = ROOT / "docs" / "COMPATIBILITY.md"
@@ -81,9 +82,9 @@ def outcomes(version: str) -> dict[str, dict[str, tuple[str, str]]]:
 
 
 def _with(adapter) -> str:
-    """The other adapters' settings an engine check assumes (CHECK_WITH)."""
-    found = getattr(adapter, "CHECK_WITH", {})
-    return "".join(f" with `{load(name).FLAG}={value}`" for name, value in found.items())
+    """The other adapters' settings an engine check assumes (its check_with)."""
+    found = adapter.check_with
+    return "".join(f" with `{load(name).flag}={value}`" for name, value in found.items())
 
 
 def render(matrix: dict[str, dict[str, dict[str, tuple[str, str]]]]) -> str:
@@ -96,12 +97,12 @@ def render(matrix: dict[str, dict[str, dict[str, tuple[str, str]]]]) -> str:
         "",
         "Each cell is the adapter's engine check on that release (applied, superseded, refused): what",
         "`entrypoint.py doctor` reports as the engine check, i.e. the outcome with the flag at its broadest setting ("
-        + ", ".join(f"`{load(name).FLAG}={load(name).CHECK_VALUE}`" + _with(load(name)) for name in ADAPTERS) + ").",
+        + ", ".join(f"`{load(name).flag}={load(name).check_value}`" + _with(load(name)) for name in ADAPTERS) + ").",
         "",
         "The first table holds for any deployment (what `doctor` says when it is given no command); the second",
         "gives the verdict for each representative layout (`doctor -- COMMAND` judges the command's own).",
         "",
-        "| release | " + " | ".join(f"`{name}` (`{load(name).FLAG}`)" for name in ADAPTERS) + " |",
+        "| release | " + " | ".join(f"`{name}` (`{load(name).flag}`)" for name in ADAPTERS) + " |",
         "|---|" + "---|" * len(ADAPTERS),
     ]
     for version, layouts in matrix.items():
@@ -126,7 +127,7 @@ def render(matrix: dict[str, dict[str, dict[str, tuple[str, str]]]]) -> str:
     lines += [
         "## How the checks are made",
         "",
-        "Every check runs on the release's Python sources, read without importing them (`adapter/source_engine.py`):",
+        "Every check runs on the release's Python sources, read without importing them (`adapter/engine/source_engine.py`):",
         "symbol names, parameter names and kinds, msgspec struct and dataclass fields in order, the names a module",
         "binds with `from ... import`, and call sites read from the source. What the sources cannot show: anything",
         "computed at import or run time (attributes set in `__init__`, decorators that replace a function, values",

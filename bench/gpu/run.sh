@@ -19,9 +19,9 @@ K80=/opt/sglang-dsv41-sm80/dsv41_accept_snapshot.so
   $PY -m pip install -q --no-index --no-deps --no-compile --target /opt/pack .dist/*.whl && ls /opt/pack
 } 2>&1 | tee $OUT/env.txt
 
-build() {  # the Dockerfile's kernel step: python3 -P -m adapter.accept_snapshot build ...
+build() {  # the Dockerfile's kernel step: python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build ...
   SGLANG_ADAPTERS_SNAPSHOT_KERNEL=$1 PYTHONPATH=/opt/pack MAX_JOBS=8 \
-    $PY -P -m adapter.accept_snapshot build --archs "$2" --allow-clones 0
+    $PY -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build --archs "$2" --allow-clones 0
 }
 start=$(date +%s)
 { build $K "9.0 10.0" & image=$!; build $K80 "8.0" & sm80=$!
@@ -40,7 +40,7 @@ as_runner() {  # no nvcc on PATH, no CUDA_HOME, the pack from the read-only /opt
     PATH=/tmp/run/bin HOME=/home/runner PYTHONPATH=/opt/pack:$ENGINE_PATH PYTHONDONTWRITEBYTECODE=1 \
     SGLANG_ADAPTERS_SNAPSHOT_KERNEL=$K "$@")
 }
-MODE='import sys, adapter; from adapter import accept_snapshot as a; print(a.copy_mode(), adapter.__file__, "cpp_extension imported:", "torch.utils.cpp_extension" in sys.modules)'
+MODE='import sys, sglang_dsv41_adapters; from sglang_dsv41_adapters.folded_fence import accept_snapshot as a; print(a.copy_mode(), sglang_dsv41_adapters.__file__, "cpp_extension imported:", "torch.utils.cpp_extension" in sys.modules)'
 { as_runner /bin/sh -c 'echo "user $(/usr/bin/id -un), nvcc: $(command -v nvcc || echo none on PATH)"
                         /usr/bin/touch /opt/pack/x /opt/sglang-dsv41/x'
   echo "== prebuilt kernel"; as_runner python3 -c "$MODE"

@@ -1,0 +1,437 @@
+"""The pack's command line: the console script `sglang-adapters` and the image's ENTRYPOINT.
+
+    sglang-adapters                            the doctor report (no arguments)
+    sglang-adapters doctor [--json] [--strict] [--engine PATH] [-- COMMAND ...]
+    sglang-adapters [--] COMMAND ARGS...       wrapper: check flags and engine, apply here, exec COMMAND
+    sglang-adapters launch SERVER-ARGS...      the engine's server in this process, after the same check;
+    sglang-adapters --model-path ...           bare server arguments are a shorthand for it
+    sglang-adapters version | --version | --help
+
+Exit statuses: EXIT_STATUSES below, one table for launch, the wrapper and doctor --strict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import runpy
+import sys
+import tempfile
+import textwrap
+
+from . import ADAPTERS, load
+from .engine.installed import InstalledEngine, engine_version
+from .engine.source_engine import UNRELEASED, open_engine
+from .framework import delivery, runtime, topology
+
+SERVER_MODULE = "sglang.launch_server"
+DIST = "sglang-dsv41-adapters"
+SCHEMA_VERSION = 1  # of `doctor --json` (docs/doctor-report.schema.json): bump on any incompatible change
+
+# Distinct from 1 (an uncaught Python error) and 2 (the engine's own argument parser), and
+# from the wrapped command's statuses, which pass through unchanged.
+EXIT_OK = 0
+EXIT_USAGE = 64  # sysexits EX_USAGE
+EXIT_REFUSED = 69  # sysexits EX_UNAVAILABLE
+EXIT_FLAGS = 78  # sysexits EX_CONFIG
+EXIT_CANNOT_RUN, EXIT_NOT_FOUND = 126, 127  # as a shell says it
+EXIT_STATUSES = (
+    (EXIT_OK, "checked and started (launch, wrapper: then the command's own status, unchanged); "
+              "doctor --strict: nothing refused"),
+    (EXIT_USAGE, "the pack's own command line: an unknown option, no command after --, "
+                 "doctor --engine PATH missing or unreadable"),
+    (EXIT_REFUSED, "refused: an engine that drifted from what an adapter needs, conflicting flags, "
+                   "ranks that would not load the pack; doctor --strict also: an engine check refused"),
+    (EXIT_FLAGS, "a pack flag not understood: a DSV41_* value or name, or a name within two edits of a "
+                 "flag (checked first)"),
+    (EXIT_CANNOT_RUN, "wrapper: COMMAND found but not executable"),
+    (EXIT_NOT_FOUND, "wrapper: COMMAND not found"),
+)
+VERDICT_STATUS = {"ok": EXIT_OK, "flag-error": EXIT_FLAGS, "refused": EXIT_REFUSED}
+
+
+def pack_version() -> str:
+    try:
+        return importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def version_text() -> str:
+    try:
+        engine = f"sglang {engine_version()} installed"
+    except Exception as exc:  # no engine here: still say what the pack is
+        engine = f"no sglang installed ({type(exc).__name__})"
+    return f"{DIST} {pack_version()} ({engine}; Python {sys.version.split()[0]})"
+
+
+# --- the parser -----------------------------------------------------------------------------
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+FLAG_WIDTH = 28  # the longest flag name and two spaces
+
+
+def flags_help() -> str:
+    lines = []
+    for name in ADAPTERS:
+        adapter = load(name)
+        lines.append(_item(adapter.flag, f"{name}: {adapter.summary}", FLAG_WIDTH))
+        lines += [_item(flag, text, FLAG_WIDTH) for flag, text in adapter.extra_flags.items()]
+    lines += [
+        _item(runtime.MASTER, "off: the whole pack is off in the launcher and every rank (the rollback)", FLAG_WIDTH),
+        _item(runtime.LOG_FORMAT, "json: the per-process lines as JSON objects; text (default)", FLAG_WIDTH),
+        "  Switches take 1/on/true and 0/off/false/none, DSV41_SPEC_TP_SYNC upstream's site selector",
+        "  (all, init, rng, site slugs or numbers, -site); unset is off. Any other value, a DSV41_* name",
+        "  that is no flag, or a name within two edits of one is a start-up error.",
+    ]
+    return "\n".join(lines)
+
+
+def statuses_help() -> str:
+    return "\n".join(_item(str(code), meaning, 5) for code, meaning in EXIT_STATUSES)
+
+
+def _item(key: str, text: str, width: int) -> str:
+    return textwrap.fill(f"{key:<{width}}{text}", 100, initial_indent="  ", subsequent_indent=" " * (width + 2))
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="sglang-adapters",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The SGLang adapter pack: runtime fixes for tensor-parallel divergence in speculative "
+                    "decoding\n(DSpark, DFlash) on sglang 0.5.16-0.5.23, switched per deployment with "
+                    "environment flags.\nA flag does exactly what it says in the launcher and in every TP "
+                    "rank, or the engine does not start.",
+        epilog="forms:\n"
+               "  sglang-adapters                          the doctor report\n"
+               "  sglang-adapters [--] COMMAND [ARGS...]   check flags and engine, apply the adapters here, then\n"
+               "                                           exec COMMAND (sglang serve ..., python3 -m "
+               "sglang.launch_server ...)\n"
+               "  sglang-adapters --model-path ... [...]   bare server arguments: shorthand for launch\n\n"
+               f"flags (environment variables):\n{flags_help()}\n\n"
+               f"exit statuses (launch, the wrapper, doctor --strict):\n{statuses_help()}\n"
+               "  The engine's own argument errors stay 2; a wrapped command's status is its own.",
+    )
+    parser.add_argument("--version", action="version", version=version_text())
+    commands = parser.add_subparsers(dest="command", metavar="{doctor,launch,version}")
+    doctor_parser = commands.add_parser(
+        "doctor", help="report every adapter against the engine (the default)",
+        description="Report every adapter's outcome under the current flags (the decision the launcher and "
+                    "every rank take) and its engine check (switched on at its broadest setting).",
+        epilog=f"exit statuses with --strict:\n{statuses_help()}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor_parser.add_argument("--json", action="store_true",
+                               help=f"print the report as JSON (schema version {SCHEMA_VERSION}: "
+                                    "docs/doctor-report.schema.json)")
+    doctor_parser.add_argument("--strict", action="store_true",
+                               help=f"exit {EXIT_FLAGS} on a flag error, {EXIT_REFUSED} on any refusal, on or off "
+                                    "(docker build runs this)")
+    doctor_parser.add_argument(
+        "--engine", metavar="PATH",
+        help="check an engine that is not imported here: an sglang wheel, or a folder holding sglang/ "
+             "(an unpacked wheel or site-packages); read from its sources, nothing of it runs")
+    doctor_parser.add_argument(
+        "command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+        help="judge the deployment this command would start (its server arguments, read with the engine's own "
+             "parser; nothing is run); without it, every adapter whose verdict depends on the deployment is "
+             "shown per representative layout")
+    doctor_parser.set_defaults(run=doctor)
+    commands.add_parser(
+        "launch", help="check, apply here, then run the engine's server with SERVER-ARGS in this process",
+        usage="sglang-adapters launch SERVER-ARGS...",
+        description="Check every flag and the engine, apply the adapters in this process, then run "
+                    f"`python -m {SERVER_MODULE} SERVER-ARGS...` here with the arguments unchanged. Every "
+                    "argument after `launch` is the engine's (its help: sglang-adapters python3 -m "
+                    f"{SERVER_MODULE} --help).",
+        epilog=f"exit statuses:\n{statuses_help()}\n  The server's own statuses (2 for its argument errors) "
+               "pass through.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands.add_parser("version", help="print the pack's and the engine's versions").set_defaults(
+        run=lambda opts: print(version_text()) or EXIT_OK)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        return doctor(build_parser().parse_args(["doctor"]))
+    first = argv[0]
+    if first == "launch" and argv[1:2] not in (["-h"], ["--help"]):
+        return launch(argv[1:])  # every argument after `launch` is the engine's, except a lone --help
+    if first in ("doctor", "launch", "version", "-h", "--help", "--version"):
+        opts = build_parser().parse_args(argv)
+        return opts.run(opts)
+    if first == "--":
+        if len(argv) == 1:
+            build_parser().error("no COMMAND after --")
+        return wrap(argv[1:])
+    if first.startswith("-"):
+        return launch(argv)  # bare server arguments: the engine's server
+    return wrap(argv)
+
+
+# --- doctor ---------------------------------------------------------------------------------
+
+def doctor(opts) -> int:
+    command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
+    if opts.command and not command:
+        build_parser().error("no COMMAND after --")
+    if command:
+        deployment, judged = topology.from_command(command)
+        if deployment is None:
+            print(f"{runtime.PREFIX} doctor -- {' '.join(command)}: {judged} (exit {EXIT_USAGE})", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+    else:
+        deployment, judged = None, ""
+    with tempfile.TemporaryDirectory() as workdir:
+        if opts.engine:
+            try:
+                engine = open_engine(opts.engine, workdir)
+                engine.version  # noqa: B018  a tree without a readable version is bad input too
+            except (ValueError, OSError) as exc:
+                runtime.emit(f"doctor --engine {opts.engine}: {exc} (exit {EXIT_USAGE})")
+                return EXIT_USAGE
+        else:
+            engine = InstalledEngine()
+        found = report(os.environ, engine, deployment, judged)
+    status = VERDICT_STATUS[verdict(found)]
+    if opts.json:
+        emit(json.dumps(as_json(found, opts.engine, status), indent=2))
+    else:
+        if not found["ranks_checked"]:
+            ranks = (f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at "
+                     f"{opts.engine} is read from its sources and its loader is not the one installed here")
+        elif found["delivery_problems"] and not found["enabled"]:
+            ranks = "; ".join(found["delivery_problems"]) + " (every adapter is off: nothing is lost, the launch goes on)"
+        else:
+            ranks = None
+        emit(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"],
+                          provenance=found["provenance"], entry_point=found["entry_point"])
+             + render_deployment(found) + f"\nverdict: {verdict(found)} (doctor --strict exits {status})")
+    return status if opts.strict else EXIT_OK
+
+
+def emit(text: str) -> None:
+    """The report on stdout; a reader that leaves early (`doctor | head`) is no error of the
+    pack: the rest goes nowhere and the exit status stays the verdict's."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def report(environ, engine, deployment=None, judged: str = "") -> dict:
+    """doctor's findings: the decision the launcher and every rank take for `environ` on
+    `engine` and the `deployment` (a Topology, None: every topology), plus each adapter's
+    engine check (switched on, every other adapter off), so that a drifted engine fails
+    `docker build` although the image is built with every flag unset. Without a deployment,
+    `by_layout` holds the outcomes on each representative layout wherever they differ.
+    `failed` is what --strict fails on; `flag_errors` the part of it that is the pack's
+    flags not understood."""
+    decision = runtime.decide(environ, engine, topology=deployment)
+    rows = []
+    for outcome in decision.outcomes:
+        adapter = load(outcome.adapter)
+        check = runtime.engine_check(adapter, engine)  # the engine alone: any deployment
+        rows.append({**outcome.as_dict(), "summary": adapter.summary, "engine_check": check[0], "engine_check_reason": check[1],
+                     "setting": decision.settings.get(outcome.adapter), "machine": runtime.machine_note(outcome.adapter) or None})
+    delivery_problems = runtime.delivery_problems(environ, engine)
+    plugins = delivery.discovery_module(engine)
+    return {
+        "engine": decision.engine, "provenance": engine_provenance(engine), "adapters": rows, "enabled": decision.enabled,
+        "problems": decision.problems, "delivery_problems": delivery_problems,
+        # A release read from source: its ranks' plugin discovery is judged with the installed
+        # loader where that is the same code (adapter.framework.delivery), else it is not checked.
+        "ranks_checked": isinstance(engine, InstalledEngine) or bool(delivery_problems) or plugins is not None,
+        "entry_point": delivery.pack_entry_point(environ, plugins) if plugins is not None else None,
+        "unknown_flags": runtime.unknown_flags(environ) + runtime.ignored_note(environ),
+        "ignored_variables": runtime.service_links(environ),
+        "flag_errors": decision.flag_errors, "switched_off": decision.switched_off,
+        # An installation whose ranks cannot load the pack fails the build even with every flag off.
+        "failed": (decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows)
+                   or (isinstance(engine, InstalledEngine) and delivery.installation_broken())),
+        "deployment": deployment, "judged": judged,
+        "by_layout": {} if deployment is not None else by_layout(environ, engine),
+    }
+
+
+def by_layout(environ, engine) -> dict:
+    """adapter -> {layout name: (outcome, reason)} on each representative layout, for the
+    adapters whose outcome differs between them (the decision without a deployment holds
+    for every layout)."""
+    outcomes = {name: runtime.decide(environ, engine, topology=layout).outcomes
+                for name, layout in topology.REPRESENTATIVE.items()}
+    found = {}
+    for index, adapter in enumerate(ADAPTERS):
+        per_layout = {name: (o[index].state, o[index].reason) for name, o in outcomes.items()}
+        if len({state for state, _ in per_layout.values()}) > 1:
+            found[adapter] = per_layout
+    return found
+
+
+def render_deployment(found: dict) -> str:
+    """Which deployment the verdicts are for: the command's, or every layout, then the
+    adapters whose outcome depends on the layout, one line per layout."""
+    if found["deployment"] is not None:
+        return f"\ndeployment: {found['deployment'].describe()} ({found['judged']})"
+    lines = ["", "deployment: none given (doctor -- COMMAND judges one); the outcomes above hold for every layout"]
+    for adapter, per_layout in found["by_layout"].items():
+        lines.append(f"  {adapter} depends on the layout:")
+        for name, (state, reason) in per_layout.items():
+            lines.append(f"    {topology.REPRESENTATIVE[name].describe()}: {state} - {reason}")
+    return "\n".join(lines)
+
+
+def engine_provenance(engine) -> dict:
+    """Where the engine came from and where its version label was read (under what the
+    user named: the installed folder, a folder, a wheel). Verdicts never read the label."""
+    label, origin = engine.label, engine.origin
+    if label.source is None or origin is None:
+        source = None
+    else:
+        source = str(origin / label.source) if origin.is_dir() else f"{label.source} in {origin}"
+    location = origin / "sglang" if isinstance(engine, InstalledEngine) and origin is not None else origin
+    return {"location": str(location), "version_source": source, "released": label.released, "judged_by": "code"}
+
+
+def engine_header(version: str, provenance: dict) -> list[str]:
+    """doctor's first lines: the engine's label, and that it is only a label."""
+    unreleased = "" if provenance["released"] else f": {UNRELEASED}"
+    source = provenance["version_source"]
+    label = f"label {version} from {source}" if source else f"label {version}, found in no file of the engine"
+    return [f"sglang {version}{unreleased}",
+            f"engine at {provenance['location']}; {label}; verdicts are judged by the engine's code, not by its label"]
+
+
+def verdict(found: dict) -> str:
+    return "flag-error" if found["flag_errors"] else "refused" if found["failed"] else "ok"
+
+
+def _setting(value):
+    """A parsed setting as JSON: a switch as a boolean, a site selection as its labels, a
+    setting with fields (tp_divergence's) as an object."""
+    if value is None or isinstance(value, bool):
+        return value
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return sorted((getattr(item, "label", str(item)) for item in value), key=lambda label: int(label.split(":")[0]))
+
+
+def as_json(found: dict, source: str | None, status: int) -> dict:
+    """`doctor --json`, schema version SCHEMA_VERSION (docs/doctor-report.schema.json)."""
+    if source:
+        engine = {"version": found["engine"], "source": "path", "path": source}
+    else:
+        spec = importlib.util.find_spec("sglang")
+        engine = {"version": found["engine"], "source": "installed",
+                  "path": os.path.dirname(spec.origin) if spec and spec.origin else None}
+    engine.update({k: found["provenance"][k] for k in ("version_source", "released", "judged_by")})
+    entry = found["entry_point"]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "pack": {"name": DIST, "version": pack_version()},
+        "engine": engine,
+        "verdict": verdict(found),
+        "strict_exit_status": status,
+        "switched_off": found["switched_off"],
+        "adapters": [{
+            "adapter": r["adapter"], "flag": r["flag"], "value": r["value"], "setting": _setting(r["setting"]),
+            "outcome": r["state"], "reason": r["reason"], "summary": r["summary"],
+            "engine_check": {"outcome": r["engine_check"], "reason": r["engine_check_reason"]},
+            "machine": r["machine"],
+        } for r in found["adapters"]],
+        "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"],
+                  "entry_point": entry and {"name": entry.name, "value": entry.value, "distribution": entry.dist}},
+        "flag_errors": found["flag_errors"],
+        "problems": found["problems"],
+        "deployment": None if found["deployment"] is None else {
+            **dataclasses.asdict(found["deployment"]), "attn_tp_size": found["deployment"].attn_tp_size,
+            "judged_from": found["judged"]},
+        "by_layout": {adapter: {name: {"topology": dataclasses.asdict(topology.REPRESENTATIVE[name]), "outcome": state,
+                                       "reason": reason} for name, (state, reason) in per_layout.items()}
+                      for adapter, per_layout in found["by_layout"].items()},
+        "ignored_variables": found["ignored_variables"],
+    }
+
+
+def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str | None = None,
+                 unknown: list[str] = (), *, provenance: dict | None = None, entry_point=None) -> str:
+    header = ("adapter", "flag", "value", "outcome", "engine check")
+    table = [header] + [
+        (r["adapter"], r["flag"], "<unset>" if r["value"] is None else repr(r["value"]), r["state"], r["engine_check"])
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [*(engine_header(version, provenance) if provenance else [f"sglang {version}"]), ""]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines.append("")
+    for r in rows:
+        lines.append(f"{r['adapter']}: {r['summary']}")
+        lines.append(f"  outcome: {r['reason']}")
+        if r["engine_check_reason"] != r["reason"]:
+            lines.append(f"  engine check: {r['engine_check_reason']}")
+        if r.get("machine"):
+            lines.append(f"  this machine: {r['machine']}")
+    lines.append("")
+    if ranks is None:
+        ranks = "; ".join(delivery) if delivery else (
+            "every TP rank loads the pack through the engine's plugin loader" + (f": {entry_point}" if entry_point else ""))
+    lines.append("ranks: " + ranks)
+    for problem in unknown:
+        lines.append("flags: " + problem)
+    return "\n".join(lines)
+
+
+# --- launch and the wrapper -------------------------------------------------------------------
+
+def check_and_apply(command: list[str]) -> int:
+    """Decide and apply in this process (one line per adapter on stderr, and the refusal's)
+    for the deployment `command` starts (its server arguments, read with the engine's own
+    parser; every layout when they cannot be read); the exit status that stops the launch,
+    or EXIT_OK."""
+    deployment, judged = topology.from_command(command)
+    decision = runtime.apply_once(os.environ, deployment, judged)
+    if decision.error() is None:
+        return EXIT_OK
+    return EXIT_FLAGS if decision.flag_errors else EXIT_REFUSED
+
+
+def launch(argv: list[str]) -> int:
+    status = check_and_apply(argv)
+    if status:
+        return status
+    sys.argv = [SERVER_MODULE, *argv]
+    runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)  # its SystemExit passes through
+    return EXIT_OK
+
+
+def wrap(command: list[str]) -> int:
+    """Like ddtrace-run: check and apply here, then become COMMAND (exec: same pid, its own
+    signals and exit status). What the adapters hand to the engine's switches is in the
+    environment it inherits; every TP rank it starts applies the adapters through the
+    engine's plugin loader."""
+    status = check_and_apply(command)
+    if status:
+        return status
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(command[0], command)
+    except FileNotFoundError:
+        runtime.emit(f"{command[0]}: command not found")
+        return EXIT_NOT_FOUND
+    except OSError as exc:
+        runtime.emit(f"{command[0]}: cannot run: {exc.strerror}")
+        return EXIT_CANNOT_RUN
+
+
+if __name__ == "__main__":
+    sys.exit(main())

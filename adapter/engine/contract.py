@@ -1,0 +1,150 @@
+"""What an adapter needs from the engine, checked before anything is patched.
+
+Each adapter states the engine symbols it relies on (names, parameter names and
+kinds, struct fields) and, where the hazard can escape through call sites, every
+call site it knows. A mismatch raises `Refused`, which names the adapter, the
+symbol and the engine version: the engine must then not start.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Iterable
+from typing import Callable, Optional
+
+from .installed import engine_version, version_of
+from .syntax import Found, index, within
+
+POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
+KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
+
+
+class Refused(Exception):
+    """The engine drifted from what an adapter needs; the engine must not start."""
+
+    def __init__(self, adapter: str, symbol: str, problem: str, version: Optional[str] = None):
+        self.adapter, self.symbol, self.problem = adapter, symbol, problem
+        self.version = version or engine_version()
+        super().__init__(f"{adapter} refused on sglang {self.version}: {symbol}: {problem}")
+
+
+
+
+class Contract:
+    """Checks one engine module on behalf of one adapter; every failure is a `Refused`."""
+
+    def __init__(self, adapter: str, module, *, name: Optional[str] = None, source: Optional[str] = None):
+        """`name` and `source` stand in for another file of the same engine as `module`."""
+        self.adapter = adapter
+        self.module = module
+        self.name = name or module.__name__
+        self._source = source
+
+    def refuse(self, symbol: str, problem: str) -> Refused:
+        return Refused(self.adapter, f"{self.name}:{symbol}", problem, version_of(self.module))
+
+    def attr(self, dotted: str):
+        """Resolve `Class.attr` in the module. A class attribute must be defined on the
+        class itself, since a wrapper set on a subclass would shadow, not replace, it."""
+        owner, obj = None, self.module
+        for part in dotted.split("."):
+            source = vars(obj) if (owner is not None and inspect.isclass(obj)) else None
+            if source is not None:
+                if part not in source:
+                    raise self.refuse(dotted, f"'{part}' is not defined on {obj.__name__}")
+                owner, obj = obj, source[part]
+            elif hasattr(obj, part):
+                owner, obj = obj, getattr(obj, part)
+            else:
+                raise self.refuse(dotted, "missing")
+        return obj
+
+    def params(self, dotted: str, required: dict[str, inspect._ParameterKind]):
+        """The function exists and takes each named parameter with the given kind."""
+        func = self.attr(dotted)
+        if not callable(func):
+            raise self.refuse(dotted, "is no longer callable")
+        sig = inspect.signature(func)
+        for name, kind in required.items():
+            param = sig.parameters.get(name)
+            if param is None:
+                raise self.refuse(dotted, f"parameter '{name}' is gone (signature now {sig})")
+            if param.kind != kind:
+                raise self.refuse(
+                    dotted, f"parameter '{name}' is {param.kind.description}, expected {kind.description}"
+                )
+        return func
+
+    def struct_fields(self, dotted: str, fields: tuple[str, ...]):
+        """A msgspec struct or dataclass with exactly these fields: a new field would be
+        one the adapter does not handle."""
+        cls = self.attr(dotted)
+        found = getattr(cls, "__struct_fields__", None)
+        if found is None and hasattr(cls, "__dataclass_fields__"):
+            found = tuple(cls.__dataclass_fields__)
+        if found is None:
+            raise self.refuse(dotted, "is no longer a struct with named fields")
+        if tuple(found) != tuple(fields):
+            raise self.refuse(dotted, f"fields are {tuple(found)}, expected {tuple(fields)}")
+        return cls
+
+    def function_source(self, dotted: str) -> str:
+        func = self.attr(dotted)
+        text = getattr(func, "__source_text__", None)  # a function read from source
+        if text is not None:
+            return text
+        try:
+            return inspect.getsource(func)
+        except (OSError, TypeError) as exc:
+            raise self.refuse(dotted, f"source is unreadable ({exc})")
+
+    def source(self) -> str:
+        if self._source is None:
+            try:
+                self._source = inspect.getsource(self.module)
+            except (OSError, TypeError) as exc:
+                raise self.refuse("<source>", f"module source is unreadable ({exc}); call sites cannot be checked")
+        return self._source
+
+    def uses(self, name: str, *, attribute: bool = False) -> list["Found"]:
+        """Every read of `name` in the module: as a bare name, or with `attribute`, as `x.name`."""
+        found = index(self.source())
+        return list(found.attrs.get(name, ()) if attribute else found.names.get(name, ()))
+
+    def all_calls(self) -> list["Found"]:
+        return list(index(self.source()).calls)
+
+    def calls(self, name: str, *, method: bool) -> list["Found"]:
+        """Calls `name(...)`, or with `method`, `<anything>.name(...)`."""
+        return [f for f in index(self.source()).calls
+                if (isinstance(f.node.func, ast.Attribute) and f.node.func.attr == name if method
+                    else isinstance(f.node.func, ast.Name) and f.node.func.id == name)]
+
+    def only_used_in(self, name: str, functions: Iterable[str], *, attribute: bool = False, required: bool = True,
+                     ignore: Callable[["Found"], bool] = lambda found: False) -> list["Found"]:
+        """`name` is read only inside `functions` (and, if `required`, at least once): a read
+        anywhere else is a path the adapter does not cover; a site that vanished has moved."""
+        functions = tuple(functions)
+        found = [f for f in self.uses(name, attribute=attribute) if not ignore(f)]
+        if not found and required:
+            raise self.refuse(name, f"no longer used in {', '.join(functions)}; the site moved")
+        for f in found:
+            if not within(f.function, functions):
+                raise self.refuse(f.function, f"line {f.line} uses {name}, a path this adapter does not cover")
+        return found
+def target_modules(adapter: str, engine, targets) -> dict:
+    """The adapter's target modules in `engine`, by name ((name, required) pairs); a
+    required one that is missing, or any that no longer loads, is refused."""
+    found = {}
+    for name, required in targets:
+        try:
+            module = engine.module(name)
+        except Exception as exc:  # a module that no longer loads cannot be checked
+            raise Refused(adapter, name, f"import failed: {type(exc).__name__}: {exc}", engine.version) from exc
+        if module is None:
+            if required:
+                raise Refused(adapter, name, "module is missing from this engine", engine.version)
+            continue
+        found[name] = module
+    return found

@@ -1,0 +1,66 @@
+"""One engine module's source, parsed and indexed once: the functions that hold each name,
+attribute and call (what the contracts and the census look up)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+def within(function: str, functions: Iterable[str]) -> bool:
+    """`function` is one of `functions` or nested in one of them."""
+    return any(function == f or function.startswith(f + ".") for f in functions)
+
+
+class Found(NamedTuple):
+    """A node found in a module's source, with the function that holds it."""
+
+    function: str  # qualified name of the enclosing function (Class.method), or "<module>"
+    line: int
+    node: ast.AST
+
+
+@dataclass
+class Index:
+    """What the checks look up in a module's source, gathered in one walk: reads of bare
+    names and of attributes (by name), and every call, each with its enclosing function."""
+
+    names: dict[str, list[Found]] = field(default_factory=dict)
+    attrs: dict[str, list[Found]] = field(default_factory=dict)
+    calls: list[Found] = field(default_factory=list)
+
+
+def scoped_nodes(tree, enter=None):
+    """Every node of `tree` in source order, with the qualified name of the class or
+    function holding it (Class.method) or "<module>"; a node for which `enter(node)` is
+    false is skipped with everything inside it."""
+    stack = [(tree, "<module>")]
+    while stack:
+        node, function = stack.pop()
+        if enter is not None and not enter(node):
+            continue
+        yield node, function
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name if function == "<module>" else f"{function}.{node.name}"
+        stack.extend((child, function) for child in reversed(list(ast.iter_child_nodes(node))))
+
+
+@functools.lru_cache(maxsize=64)
+def index(source: str) -> Index:
+    """The source parsed and indexed once, however many checks read it."""
+    index = Index()
+    for node, function in scoped_nodes(ast.parse(source)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            index.names.setdefault(node.id, []).append(Found(function, node.lineno, node))
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            index.attrs.setdefault(node.attr, []).append(Found(function, node.lineno, node))
+        elif isinstance(node, ast.Call):
+            index.calls.append(Found(function, node.lineno, node))
+    for found in (*index.names.values(), *index.attrs.values(), index.calls):
+        found.sort(key=lambda f: (f.line, f.node.col_offset))
+    return index
+
+

@@ -1,0 +1,89 @@
+"""The pack's state on the engine's own /metrics.
+
+With `--enable-metrics` sglang sets PROMETHEUS_MULTIPROC_DIR before it starts the ranks, and
+its /metrics serves prometheus_client's multiprocess collector over that folder: whatever a
+rank records there is served with the engine's own metrics. Each rank records, labelled
+`rank` as its lines are (adapter.framework.log.process_label):
+
+    sglang_adapters:adapter_outcome{adapter,flag,outcome,rank}      1 for each adapter's outcome
+    sglang_adapters:fence_copy_mode{mode,rank}                      1: the copy the fence uses (one-launch, clones)
+    sglang_adapters:fence_boundary_copies_total{route,rank}         results copied at the worker's boundary
+    sglang_adapters:tp_divergence_calls_total{rank,site}            and _diverged_calls_total,
+                                                                    _diverged_elements_total (adapter.tp_divergence.divergence)
+
+Gauges use the engine's multiprocess mode (`mostrecent`): one value per label set, the rank
+being a label. Without the folder (metrics off) nothing is recorded and prometheus_client is
+not imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from . import log
+
+PREFIX = "sglang_adapters:"
+FOLDER = "PROMETHEUS_MULTIPROC_DIR"
+_made: dict = {}
+
+
+def reset() -> None:
+    """Forget the metrics made in this process (tests)."""
+    _made.clear()
+
+
+def made() -> list[str]:
+    """The names of the metrics made in this process."""
+    return sorted(_made)
+
+
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    return FOLDER in environ
+
+
+def _metric(kind: str, name: str, doc: str, labels):
+    """The process's one metric of that name, made at its first use (prometheus_client
+    refuses a second one); None when prometheus_client cannot be imported."""
+    if name not in _made:
+        try:
+            import prometheus_client
+        except ImportError as exc:  # the engine requires it; without it, the lines still say everything
+            log.emit(f"no Prometheus metrics ({exc})")
+            _made[name] = None
+        else:
+            mode = {"multiprocess_mode": "mostrecent"} if kind == "Gauge" else {}
+            _made[name] = getattr(prometheus_client, kind)(PREFIX + name, doc, labelnames=("rank", *labels), **mode)
+    return _made[name]
+
+
+def mark(name: str, doc: str, **labels) -> None:
+    """Gauge `name` at 1 for this rank and these labels."""
+    if enabled() and (gauge := _metric("Gauge", name, doc, sorted(labels))) is not None:
+        gauge.labels(rank=log.process_label(), **labels).set(1)
+
+
+def count(name: str, doc: str, value: int = 1, **labels) -> None:
+    """Counter `name` (served as `name`_total) up by `value` for this rank and these labels."""
+    if enabled() and (counter := _metric("Counter", name, doc, sorted(labels))) is not None:
+        counter.labels(rank=log.process_label(), **labels).inc(value)
+
+
+def outcomes(decision, environ: Mapping[str, str] = os.environ) -> None:
+    """Each adapter's outcome in this process (runtime.apply_once)."""
+    if enabled(environ):
+        for outcome in decision.outcomes:
+            mark("adapter_outcome", "1 for the outcome of each adapter of the pack in this rank",
+                 adapter=outcome.adapter, flag=outcome.flag, outcome=outcome.state)
+
+
+def copy_mode(mode: str) -> None:
+    """Which copy the fence uses in this rank (adapter.folded_fence.accept_snapshot, at its first result)."""
+    mark("fence_copy_mode", "1 for the copy the folded fence uses in this rank: one-launch or clones", mode=mode)
+
+
+def count_boundary_copy(route: str) -> None:
+    """One result copied where it leaves the worker because it shared the verify graph's
+    buffers (adapter.folded_fence.fence_boundary, at each copy): a route the fence's checks missed."""
+    count("fence_boundary_copies", "results the folded fence copied where they leave the DSpark worker, by route",
+          route=route)

@@ -1,0 +1,123 @@
+"""Rank-0 broadcast per decision site (DSV41_SPEC_TP_SYNC).
+
+Each TP rank takes DSpark / DFlash speculative decisions on its own (draft tokens,
+accept triple, prefill tokens, DFlash accept); when one rank decides differently the
+ranks commit different token counts and the next collective hangs. Upstream 0.5.19
+added `SpecTpSync`, which broadcasts every such decision from rank 0 before any state
+derives from it. This adapter does the same on 0.5.16 - 0.5.18 by wrapping the
+consumer bindings around each decision (HOOKS), and on 0.5.19+ hands its selection
+to the engine's own switch SGLANG_SPEC_TP_SYNC (superseded where SpecTpSync is shown from
+its source to do the job: adapter.spectpsync.upstream_sync.prove_broadcast).
+
+The flag takes upstream's site grammar (adapter.spectpsync.sites); unset or an off word is off.
+The memory sites (1, 12) are served by DSV41_GROUP_MIN_MEM before 0.5.19, and the
+verify plan (7) is broadcast by those releases themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ..engine.contract import Contract, Refused, target_modules
+from ..framework.ledger import Ledger, UpstreamFix
+from ..framework.plan import Plan
+from ..framework.surface import SETTING, Surface
+from ..spectpsync import upstream_sync
+from ..spectpsync.sites import MEMORY, labels, parse_selector
+
+NAME = "rank0_broadcast"
+FLAG = "DSV41_SPEC_TP_SYNC"
+SUMMARY = "broadcast every DSpark/DFlash speculative decision from TP rank 0 (upstream SpecTpSync grammar)"
+CHECK_VALUE = "all"  # the setting doctor's engine check and the compatibility matrix use
+
+from . import before_0_5_19  # noqa: E402  (it reads NAME and FLAG above)
+from .before_0_5_19 import DFLASH_WORKER, DRAFT, DRAFT_SAMPLER, DSPARK_WORKER, HOOKS, VERIFY  # noqa: E402,F401
+
+# (module, required); spec_tp_sync exists from 0.5.19 (then superseded).
+CLASS = upstream_sync.CLASS
+TARGETS = ((upstream_sync.MODULE, False), (DRAFT, True), (DRAFT_SAMPLER, False), (VERIFY, True),
+           (DSPARK_WORKER, True), (DFLASH_WORKER, True))
+
+
+def parse(environ: Mapping[str, str] = os.environ) -> frozenset:
+    return parse_selector(environ.get(FLAG), FLAG)
+
+
+def _numbers(sites) -> str:
+    return ",".join(str(n) for n in sorted(sites)) or "none"
+
+
+def _memory_off(context) -> str:
+    """What to add where DSV41_GROUP_MIN_MEM serves the memory sites and is off."""
+    return "" if context.settings["group_min_memory"] else \
+        ", which is off: switch it on (DSV41_GROUP_MIN_MEM=1) to cover them"
+
+
+def _memory_unreached(contract, engine, run_with, topology, groups):
+    """Why the engine's own probe is not shown to reduce the memory sites (None: shown)."""
+    try:
+        upstream_sync.prove_probe(contract, engine, run_with)
+    except Refused as exc:
+        return f"{exc.symbol}: {exc.problem}"
+    return upstream_sync.memory_reached(topology, groups)
+
+
+def _handover(engine, module, sites: frozenset, context) -> Plan:
+    """0.5.19+: the engine's SpecTpSync does the job where it is shown to, for the
+    deployment's topology; the selection is handed to SGLANG_SPEC_TP_SYNC."""
+    contract = Contract(NAME, module)
+    mapped = upstream_sync.to_engine(contract, sites)
+    value = ",".join(str(n) for n in sorted(mapped))
+    theirs = context.environ.get(upstream_sync.ENGINE_FLAG)
+    if theirs is not None:
+        their_sites = upstream_sync.parse_user_value(contract, theirs)
+        if their_sites != mapped:
+            raise contract.refuse(
+                upstream_sync.ENGINE_FLAG,
+                f"={theirs!r} selects sites {_numbers(their_sites)} but {FLAG}={context.environ.get(FLAG)!r} selects "
+                f"{_numbers(mapped)}; set one of them or make them agree")
+    shown = upstream_sync.prove_broadcast(contract, engine, value if theirs is None else theirs)
+    groups = upstream_sync.worker_groups(contract, engine)
+    topology, memory = context.topology, sites & MEMORY
+    where = upstream_sync.judged_for(topology)
+    unreached = _memory_unreached(contract, engine, value if theirs is None else theirs, topology, groups) \
+        if memory else None
+    if unreached and not sites - MEMORY:
+        raise contract.refuse(CLASS, f"{FLAG} selects only {labels(memory)}, whose probes the engine is not shown to "
+                                     f"reduce {where}: {unreached}; unset {FLAG} and switch on DSV41_GROUP_MIN_MEM=1, "
+                                     "which makes those probes the group minimum")
+    alone = topology is not None and topology.batch_group_size == 1
+    detail = (f"{module.__name__}.{CLASS} broadcasts these decisions itself {where}"
+              + (" (one rank runs each batch there: nothing to broadcast)" if alone else "")
+              + f", shown from its source: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}"
+              + (f"; sites {labels(memory)} are not shown to be reduced there ({unreached}): DSV41_GROUP_MIN_MEM "
+                 f"serves them{_memory_off(context)}" if unreached else ""))
+    handed = f"{FLAG} handed to {upstream_sync.ENGINE_FLAG}"
+    if theirs is None:
+        return Plan("superseded", f"{detail}; {handed}={value!r}", env={upstream_sync.ENGINE_FLAG: value})
+    return Plan("superseded", f"{detail}; {handed} (already set to the same sites)")
+
+
+def check(engine, setting: frozenset, context) -> Plan:
+    """What broadcasting the selected sites from rank 0 takes on `engine`; patches nothing."""
+    modules = target_modules(NAME, engine, TARGETS)
+    if upstream_sync.MODULE in modules:
+        return _handover(engine, modules[upstream_sync.MODULE], setting, context)
+    return before_0_5_19.plan(engine, modules, setting, _memory_off(context))
+
+
+LEDGER = Ledger(
+    why="each TP rank takes DSpark/DFlash decisions on its own (draft tokens, accept triple, prefill tokens, DFlash "
+        "accept); one rank deciding differently makes the ranks commit different token counts and hang",
+    upstream_issue="sgl-project/sglang SpecTpSync (the per-site rank-0 broadcast, SGLANG_SPEC_TP_SYNC)",
+    fixes=(UpstreamFix("SpecTpSync (sglang.srt.speculative.spec_tp_sync), every site broadcast from rank 0", "0.5.19"),),
+    retire_when="no supported release is older than 0.5.19: then only the hand-over to SGLANG_SPEC_TP_SYNC is left, "
+                "which users can set themselves",
+    legacy={"before_0_5_19.py": "0.5.16-0.5.18"},
+)
+SURFACE = Surface(
+    name=NAME, flag=FLAG, summary=SUMMARY, parse=parse, check=check, check_value=CHECK_VALUE, ledger=LEDGER,
+    # whether the memory sites it cannot serve are served by that flag; it hands SGLANG_SPEC_TP_SYNC over itself
+    reads={"group_min_memory": SETTING},
+)

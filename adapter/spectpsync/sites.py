@@ -1,0 +1,109 @@
+"""The decision sites and the site-selector grammar (DSV41_SPEC_TP_SYNC).
+
+Pure: no engine, no environment. Numbering and grammar are upstream's (0.5.22+
+`SpecTpSyncSite` / `parse_spec_tp_sync`): a comma list of presets (all/off/none/
+init/rng), site slugs and numbers, each negatable with a leading "-"; "_" reads as
+"-", spaces and case are ignored; the retired draft handles 2-6 and their slugs
+select DSPARK_DRAFT (17). An unknown token is a FlagError.
+
+The pack adds one thing: a whole value that says "off" in the words every pack flag
+uses (empty, 0, off, false, none) selects nothing, so switching the flag off never
+changes what the engine does.
+"""
+
+from __future__ import annotations
+
+import difflib
+from enum import IntEnum
+
+from ..framework.flags import OFF_WORDS, FlagError
+
+
+class Site(IntEnum):
+    """Upstream 0.5.22+ numbering (SpecTpSyncSite)."""
+
+    DSPARK_MEM = 1
+    DSPARK_PLAN = 7
+    DSPARK_ACCEPT_GREEDY = 8
+    DSPARK_ACCEPT_SAMPLE = 9
+    DSPARK_ACCEPT_GRAPH = 10
+    DSPARK_TARGET = 11
+    DSPARK_DRAFT = 17
+    DFLASH_MEM = 12
+    DFLASH_SELECTOR = 13
+    DFLASH_ACCEPT_SAMPLE = 14
+    DFLASH_ACCEPT_GREEDY = 15
+    DFLASH_TARGET = 16
+
+    @property
+    def slug(self) -> str:
+        return slug_of(self.name)
+
+    @property
+    def label(self) -> str:
+        return f"{int(self)}:{self.slug}"
+
+
+def slug_of(name: str) -> str:
+    """A site's name as its slug, upstream's way: DSPARK_ACCEPT_GRAPH -> dspark-accept-graph."""
+    return name.lower().replace("_", "-")
+
+
+ALL = frozenset(Site)
+MEMORY = frozenset({Site.DSPARK_MEM, Site.DFLASH_MEM})
+_RNG = frozenset({Site.DSPARK_ACCEPT_SAMPLE, Site.DSPARK_TARGET, Site.DFLASH_SELECTOR,
+                  Site.DFLASH_ACCEPT_SAMPLE, Site.DFLASH_TARGET})
+PRESETS = {"all": ALL, "off": frozenset(), "none": frozenset(), "init": MEMORY, "rng": MEMORY | _RNG}
+_BY_SLUG = {s.slug: s for s in Site}
+_BY_NUMBER = {str(int(s)): s for s in Site}
+RETIRED = {t: Site.DSPARK_DRAFT for t in (
+    "dspark-draft-greedy", "dspark-draft-sample", "dspark-draft-multinomial",
+    "dspark-graph-sample", "dspark-graph-greedy", "2", "3", "4", "5", "6")}
+
+
+def labels(sites) -> str:
+    return ", ".join(s.label for s in sorted(sites))
+
+
+def accepted_forms() -> str:
+    return (f"presets {', '.join(sorted(PRESETS))}; site slugs or numbers {labels(ALL)}; "
+            f"retired draft handles 2-6; each optionally negated with a leading '-', comma-separated")
+
+
+def parse_value(raw: str, flag: str = "DSV41_SPEC_TP_SYNC") -> frozenset:
+    """Upstream's parse_spec_tp_sync, token for token (FlagError instead of ValueError)."""
+    sites: frozenset = frozenset()
+    for token in raw.replace(" ", "").replace("_", "-").lower().split(","):
+        if not token:
+            continue
+        if token.startswith("-"):
+            sites = sites - _resolve(token[1:], raw, flag)
+        else:
+            sites = sites | _resolve(token, raw, flag)
+    return sites
+
+
+def _resolve(name: str, raw: str, flag: str) -> frozenset:
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in RETIRED:
+        return frozenset({RETIRED[name]})
+    site = _BY_SLUG.get(name) or _BY_NUMBER.get(name)
+    if site is None:
+        close = difflib.get_close_matches(name, [*PRESETS, *_BY_SLUG, *RETIRED], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise FlagError(f"{flag}={raw!r}: unknown token {name!r}{hint}; accepted: {accepted_forms()}; "
+                        f"or leave {flag} unset for off")
+    return frozenset({site})
+
+
+def parse_selector(raw, flag: str = "DSV41_SPEC_TP_SYNC") -> frozenset:
+    """The pack's selector flag: unset or an off word selects nothing, else the grammar."""
+    if raw is None or raw.strip().lower() in OFF_WORDS + ("",):
+        return frozenset()
+    return parse_value(raw, flag)
+
+
+def parse_numbers(raw: str) -> frozenset[int]:
+    """A selection written as bare site numbers (what the pack hands to the engine)."""
+    return frozenset(int(token) for token in raw.split(","))

@@ -1,0 +1,167 @@
+"""Divergence report per rank-0 broadcast site (DSV41_TP_DIVERGENCE).
+
+After a rank-0 broadcast every rank holds rank 0's value, which hides where and how
+often the ranks disagreed. With this flag on, each rank compares, at every active
+broadcast site, the value it computed with the one rank 0 broadcast, and counts per
+site the calls, the calls that differed and the elements that differed, on the device
+(adapter.tp_divergence.divergence), reporting them every DSV41_TP_DIVERGENCE_EVERY calls and at exit.
+
+The sites are those broadcast on this deployment: on 0.5.16 - 0.5.18 the pack's own
+(rank0_broadcast's selection, through its `broadcast`); on 0.5.19+ the engine's
+`SpecTpSync.sync`, at the sites SGLANG_SPEC_TP_SYNC selects as the ranks will read it.
+The memory sites (1, 12) reduce free memory to a group minimum at start-up and broadcast
+no value: nothing to compare there. The broadcast values are left as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional
+
+from . import divergence
+from ..spectpsync import upstream_sync
+from ..engine.contract import Contract, Refused, target_modules
+from ..framework.plan import Patch, Plan
+from ..engine.installed import version_of
+from ..framework.flags import FlagError, parse_switch
+from ..framework.ledger import Ledger
+from ..framework.surface import HANDOVER, SETTING, Surface
+from ..spectpsync.sites import Site, slug_of
+
+NAME = "tp_divergence"
+FLAG = "DSV41_TP_DIVERGENCE"
+EVERY_FLAG = "DSV41_TP_DIVERGENCE_EVERY"
+EXTRA_FLAGS = (EVERY_FLAG,)
+EXTRA_HELP = {EVERY_FLAG: "tp_divergence: site calls between two reports (a positive whole number; default 1000)"}
+SUMMARY = "count, per rank-0 broadcast site and rank, the calls where this rank's own value differed from rank 0's"
+CHECK_VALUE = "1"  # the setting doctor's engine check and the compatibility matrix use
+# Judged with the pack's broadcast at its broadest setting: without it there is nothing to
+# compare on 0.5.16 - 0.5.18, so the engine check would say nothing about the engine.
+CHECK_WITH = {"rank0_broadcast": "all"}
+# Site calls between two reads of the counters; a read costs one copy to pinned host
+# memory and no wait (bench/divergence_cost.py).
+DEFAULT_EVERY = 1000
+
+MEMORY_WHY = "a group minimum of free memory at start-up, no value broadcast"
+NOT_COMPARED = {Site.DSPARK_MEM: MEMORY_WHY, Site.DFLASH_MEM: MEMORY_WHY}
+NOT_COMPARED_BEFORE_19 = {**NOT_COMPARED, Site.DSPARK_PLAN: "broadcast by the engine itself before 0.5.19",
+                          Site.DFLASH_SELECTOR: "does not exist before 0.5.19"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    every: int
+
+
+def parse_every(environ: Mapping[str, str]) -> int:
+    raw = environ.get(EVERY_FLAG)
+    if raw is None:
+        return DEFAULT_EVERY
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise FlagError(f"{EVERY_FLAG}={raw!r} is not understood; it takes a positive whole number of site calls "
+                        f"between two reports (digits only, no spaces), or leave it unset for {DEFAULT_EVERY}")
+    return int(raw)
+
+
+def parse(environ: Mapping[str, str] = os.environ) -> Optional[Setting]:
+    every = parse_every(environ)  # a bad value is refused even with the report off
+    return Setting(every) if parse_switch(FLAG, environ) else None
+
+
+# ---------------------------------------------------------------- wrappers
+
+
+def _site_and_values(site, values):
+    return site, values
+
+
+def _compare_sync(every, wrapped, instance, args, kwargs):
+    """Around SpecTpSync.sync(site, values) (0.5.19+): only where it broadcasts."""
+    site, values = _site_and_values(*args, **kwargs)
+    if not instance.enabled(site):
+        return wrapped(*args, **kwargs)
+    mine = values.clone()
+    result = wrapped(*args, **kwargs)
+    divergence.observe(int(site), site.slug, (mine,), (result,), every)
+    return result
+
+
+# ---------------------------------------------------------------- declaration
+
+
+def one_rank(context, engine) -> None:
+    """Refused where one rank runs each batch: nothing is broadcast there (the engine's
+    SpecTpSync keeps no site in a group of one rank, the pack's broadcast is a no-op)."""
+    topology = context.topology
+    if topology is not None and topology.batch_group_size == 1:
+        raise Refused(NAME, FLAG, f"one rank runs each batch {upstream_sync.judged_for(topology)}: no site is "
+                                  f"broadcast there, so there is nothing to compare; unset {FLAG}", engine.version)
+
+
+def when(context) -> str:
+    """The deployment the report is judged for, and what a rank with one rank per batch does."""
+    if context.topology is not None:
+        return upstream_sync.judged_for(context.topology)
+    return (f"{upstream_sync.judged_for(None)}; a rank where one rank runs each batch (TP 1, or DP attention with "
+            "attention-TP 1) refuses: nothing is broadcast there")
+
+
+def _engine_plan(engine, module, setting: Setting, context) -> Plan:
+    """0.5.19+: SpecTpSync.sync, shown to broadcast `values` in place from rank 0 and
+    return it at the sites it selects (the wrapper keeps a copy of the caller's value
+    before and compares it with what sync returns)."""
+    contract = Contract(NAME, module)
+    one_rank(context, engine)
+    names = {number: name for name, number in upstream_sync.engine_sites(contract).items()}
+    if max(names) >= divergence.ROWS:
+        raise contract.refuse("SpecTpSyncSite", f"numbers reach {max(names)}; the counters hold {divergence.ROWS} rows")
+    what, selected = upstream_sync.selected(contract, context, engine)
+    shown = upstream_sync.prove_broadcast(contract, engine, upstream_sync.run_value(context))
+    groups = upstream_sync.worker_groups(contract, engine)
+    memory = {int(s) for s in NOT_COMPARED}
+    compared = sorted(n for n in selected if n not in memory)
+    # Labelled from the engine's own names: it may number sites the pack's Site does not know.
+    label = lambda n: f"{n}:{slug_of(names[n])}"  # noqa: E731
+    if not compared:
+        raise Refused(NAME, FLAG, f"no site broadcasts a value ({what}): there is nothing to compare; "
+                                  f"select broadcast sites or unset {FLAG}", version_of(module))
+    off = sorted(set(names) - set(compared) - memory)
+    detail = (f"compares {', '.join(label(n) for n in compared)} at {module.__name__}.SpecTpSync.sync, as {what} "
+              f"selects; not compared: {', '.join(label(n) for n in sorted(memory & set(names)))} ({MEMORY_WHY})"
+              + (f"; off: {', '.join(label(n) for n in off)}" if off else "")
+              + f"; report every {setting.every} calls and at exit, {when(context)}; shown from its source: "
+              + "; ".join(shown) + f"; {upstream_sync.describe_groups(groups)}")
+    owner = contract.attr("SpecTpSync")
+    return Plan("applied", detail, [Patch(owner, "sync", functools.partial(_compare_sync, setting.every))])
+
+
+def check(engine, setting: Setting, context) -> Plan:
+    """What comparing every active broadcast site takes on `engine`; patches nothing."""
+    modules = target_modules(NAME, engine, ((upstream_sync.MODULE, False),))
+    if upstream_sync.MODULE in modules:
+        return _engine_plan(engine, modules[upstream_sync.MODULE], setting, context)
+    return before_0_5_19.plan(engine, setting, context)
+
+
+
+from . import before_0_5_19  # noqa: E402  (it reads the names above)
+
+LEDGER = Ledger(
+    why="after a rank-0 broadcast every rank holds rank 0's value, which hides where and how often the ranks "
+        "disagreed: a diagnostic that counts it per site and rank, fixing nothing",
+    upstream_issue="none: a diagnostic of this pack (upstream's rank-consensus checker, PR #34406, hashes other "
+                   "state)",
+    fixes=(),
+    retire_when="the engine reports per-site divergence of its own SpecTpSync broadcasts",
+    legacy={"before_0_5_19.py": "0.5.16-0.5.18"},
+    legacy_until="0.5.19",  # the engine's own SpecTpSync, which it compares at from then on
+)
+SURFACE = Surface(
+    name=NAME, flag=FLAG, summary=SUMMARY, parse=parse, check=check, check_value=CHECK_VALUE, ledger=LEDGER,
+    # the sites it compares: the selection before 0.5.19, the engine's switch as handed over from 0.5.19
+    reads={"rank0_broadcast": f"{SETTING},{HANDOVER}"}, check_with=CHECK_WITH,
+    extra_flags=EXTRA_HELP,
+)

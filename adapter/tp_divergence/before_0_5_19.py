@@ -1,0 +1,51 @@
+"""The divergence report on sglang 0.5.16 - 0.5.18, which have no SpecTpSync: it compares
+around the pack's own broadcast (spectpsync.broadcast), at the sites DSV41_SPEC_TP_SYNC
+selects. Kept only for those releases (the adapter's ledger): delete this file with them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..engine.contract import POSITIONAL, Contract, Refused
+from ..framework.plan import Patch, Plan
+from ..spectpsync import broadcast as pack
+from ..spectpsync.broadcast import SERVED_ELSEWHERE
+from ..spectpsync.sites import Site, labels
+from . import divergence
+# The package defines these before it imports this file.
+from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, one_rank, when
+
+
+def compare_broadcast(every, wrapped, instance, args, kwargs):
+    """Around the pack's broadcast(family, site, *tensors) (0.5.16 - 0.5.18)."""
+    family, site, *tensors = args
+    if pack.group_of(family).world_size == 1:  # nothing is broadcast
+        return wrapped(*args, **kwargs)
+    mine = [t.clone() for t in tensors]
+    result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or packed views
+    divergence.observe(int(site), site.slug, mine, result, every)
+    return result
+
+
+def plan(engine, setting, context) -> Plan:
+    """0.5.16 - 0.5.18: the pack's own broadcast, at the sites rank0_broadcast serves."""
+    selector = context.flags["rank0_broadcast"]
+    selected = context.settings["rank0_broadcast"]
+    one_rank(context, engine)
+    if not selected:
+        raise Refused(NAME, FLAG, f"no site is broadcast on this release while {selector} is off: there is nothing "
+                                  f"to compare; switch {selector} on (e.g. all) or unset {FLAG}", engine.version)
+    compared = frozenset(selected) - SERVED_ELSEWHERE.keys()
+    if not compared:
+        raise Refused(NAME, FLAG, f"{selector} selects no site the pack broadcasts on this release "
+                                  f"({labels(selected)}): there is nothing to compare; unset {FLAG}", engine.version)
+    contract = Contract(NAME, pack)
+    contract.params("broadcast", {"family": POSITIONAL, "site": POSITIONAL})
+    skipped = "; ".join(f"{s.label}: {why}" for s, why in sorted(NOT_COMPARED_BEFORE_19.items()))
+    off = frozenset(Site) - compared - NOT_COMPARED_BEFORE_19.keys()
+    detail = (f"compares {labels(compared)} at the pack's broadcast ({pack.__name__}.broadcast); not compared: "
+              f"{skipped}" + (f"; off in {selector}: {labels(off)}" if off else "")
+              + f"; report every {setting.every} calls and at exit, {when(context)}")
+    return Plan("applied", detail,
+                [Patch(pack, "broadcast", functools.partial(compare_broadcast, setting.every))])

@@ -1,0 +1,190 @@
+"""Per-site divergence counters on the device, and their report (what tp_divergence's
+wrappers call).
+
+At a broadcast site each rank keeps the value it computed, lets the broadcast overwrite
+it with rank 0's, and `observe` adds to that site's row of a counter tensor on the
+value's device: [calls, calls that differed, elements that differed]. Only device ops:
+no host synchronisation and no collective, so it records into a captured CUDA graph and
+counts on every replay. The counter tensor is allocated at the first call outside graph
+capture (sglang warms every captured region up eagerly first); a first call inside a
+capture is refused, since a tensor made there would be zeroed by every replay.
+
+Every `every` calls made from Python (a captured site replays without Python, so its
+replays reach the report at the next eager call), each device's counters are copied to
+pinned host memory without waiting; the copy is printed once it has landed: one line
+per site that diverged since the last report. At interpreter exit the rest is printed.
+With the engine's metrics on (adapter.framework.metrics) the same counts also go to the counters
+sglang_adapters:tp_divergence_calls_total, _diverged_calls_total, _diverged_elements_total.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from ..framework import log, metrics
+
+PREFIX = log.PREFIX
+ROWS = 32  # site numbers index the rows (upstream's run 1-17)
+CALLS, DIVERGED_CALLS, DIVERGED_ELEMENTS = range(3)
+METRICS = (("calls", "calls of a rank-0 broadcast site with the divergence report on"),
+           ("diverged_calls", "calls where this rank's own value differed from rank 0's"),
+           ("diverged_elements", "elements where this rank's own value differed from rank 0's"))
+METRIC_PREFIX = metrics.PREFIX + "tp_divergence_"
+
+
+class Tally:
+    """One device's counters, and the host copy a report reads without waiting."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device = device
+        self.counts = torch.zeros(ROWS, 3, dtype=torch.int64, device=device)
+        # One call's row is clamp(diverged elements, floor, ceiling) = [1, min(e, 1), e]:
+        # one kernel instead of a stack of three.
+        self.floor = torch.tensor([1, 0, 0], dtype=torch.int64, device=device)
+        self.ceiling = torch.tensor([1, 1, torch.iinfo(torch.int64).max], dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(ROWS, 3, dtype=torch.int64, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.reported = torch.zeros(ROWS, 3, dtype=torch.int64)  # totals already reported
+        self.in_flight = False
+
+    def start_read(self) -> None:
+        self.host.copy_(self.counts, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+        self.in_flight = True
+
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+_tallies: dict = {}
+_slugs: dict[int, str] = {}  # site number -> slug, as the engine (or the pack) names it
+_calls = 0  # observe() calls made from Python, every site
+_started = False
+
+
+def calls() -> int:
+    """observe() calls made from Python in this process, every site (a replayed graph makes none)."""
+    return _calls
+
+
+def _capturing(tensor) -> bool:
+    import torch
+
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _tally(device, capturing: bool, label: str) -> Tally:
+    tally = _tallies.get(device)
+    if tally is None:
+        if capturing:
+            raise RuntimeError(
+                f"tp_divergence: site {label} first ran inside CUDA graph capture on {device}; its counters must "
+                f"exist before capture (a warm-up call outside capture makes them): switch DSV41_TP_DIVERGENCE off")
+        tally = _tallies[device] = Tally(device)
+    return tally
+
+
+def observe(number: int, slug: str, mine, theirs, every: int) -> None:
+    """Count one call of site `number`: `mine` the values this rank computed (kept before
+    the broadcast), `theirs` the same tensors after it (rank 0's)."""
+    global _calls, _started
+    import torch
+
+    capturing = _capturing(theirs[0])
+    tally = _tally(theirs[0].device, capturing, f"{number}:{slug}")
+    differed = [torch.ne(a, b).sum() for a, b in zip(mine, theirs)]
+    elements = differed[0] if len(differed) == 1 else torch.stack(differed).sum()
+    tally.counts[number].add_(torch.clamp(elements, tally.floor, tally.ceiling))
+    _slugs.setdefault(number, slug)
+    if not _started:  # the rank, fixed now: at exit the process group may be gone
+        _started = True
+        log.set_process_label(log.process_label())
+        atexit.register(flush)
+    _calls += 1
+    if capturing:  # no copy or event query may be recorded into the graph
+        return
+    if any(t.in_flight for t in _tallies.values()):
+        _print_landed()
+    if _calls % every == 0:
+        for t in _tallies.values():
+            if not t.in_flight:
+                t.start_read()
+        _print_landed()
+
+
+def _print_landed(wait: bool = False) -> list[str]:
+    lines = []
+    for tally in _tallies.values():
+        if tally.in_flight and (wait or tally.landed()):
+            if wait and tally.event is not None:
+                tally.event.synchronize()
+            tally.in_flight = False
+            delta = tally.host - tally.reported
+            tally.reported.copy_(tally.host)
+            lines += _lines(delta)
+            _export(delta)
+    return lines
+
+
+def _lines(delta) -> list[str]:
+    """One line per site that diverged (printed), e.g. `... rank=1 tp_divergence site=8:dspark-accept-greedy
+    calls=118 diverged_calls=3 diverged_elements=5 (since the last report)`."""
+    lines = []
+    for number, row in enumerate(delta.tolist()):  # host memory: no device sync
+        if row[DIVERGED_CALLS]:
+            counts = dict(zip(("calls", "diverged_calls", "diverged_elements"), row))
+            site = f"{number}:{_slugs.get(number, '?')}"
+            lines.append(log.emit(f"tp_divergence site={site} {' '.join(f'{k}={v}' for k, v in counts.items())} "
+                                  "(since the last report)", adapter="tp_divergence", site=site, **counts))
+    return lines
+
+
+def flush() -> list[str]:
+    """Read every device's counters now (waiting for them) and print what diverged since
+    the last report; at exit, and for tests."""
+    for tally in _tallies.values():
+        if tally.in_flight:
+            _print_landed(wait=True)
+        tally.start_read()
+    return _print_landed(wait=True)
+
+
+def totals() -> dict[str, list[int]]:
+    """Every site's counters since the last reset, waiting for the device ("n:slug" ->
+    [calls, diverged calls, diverged elements], summed over devices); tests and benchmarks."""
+    out: dict[str, list[int]] = {}
+    for tally in _tallies.values():
+        for number, row in enumerate(tally.counts.tolist()):
+            if row[CALLS]:
+                key = f"{number}:{_slugs.get(number, '?')}"
+                out[key] = [a + b for a, b in zip(out.get(key, [0, 0, 0]), row)]
+    return out
+
+
+def forget() -> None:
+    """Drop every device's counters (tests): the next call makes them anew."""
+    _tallies.clear()
+
+
+def reset() -> None:
+    """Zero the counters in place (a captured graph keeps writing the same tensors)."""
+    global _calls
+    for tally in _tallies.values():
+        if tally.in_flight and tally.event is not None:
+            tally.event.synchronize()
+        tally.in_flight = False
+        tally.counts.zero_()
+        tally.reported.zero_()
+    _calls = 0
+
+
+def _export(delta) -> None:
+    """Add the counts to the Prometheus counters (adapter.framework.metrics) when the engine serves them."""
+    for number, row in enumerate(delta.tolist()):
+        if row[CALLS]:
+            for (name, doc), value in zip(METRICS, row):
+                metrics.count(f"tp_divergence_{name}", doc, value, site=f"{number}:{_slugs.get(number, '?')}")
