@@ -9,7 +9,7 @@ import torch
 
 from sglang_dsv41_adapters.folded_fence import fence_forms
 from sglang_dsv41_adapters import folded_fence
-from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.framework import log, runtime
 from harness.doctored import doctored_module  # noqa: F401  (used by the test modules)
 
 VERIFY = folded_fence.VERIFY
@@ -36,6 +36,13 @@ class Step:
 
     def matches(self, outs) -> dict[str, bool]:
         return {name: torch.equal(getattr(outs, name), value) for name, value in self.values.items()}
+
+
+@pytest.fixture(autouse=True)
+def _launcher_label():
+    """A test that labels this process a rank leaves it the launcher for the next one."""
+    yield
+    log.reset()
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from sglang_dsv41_adapters import folded_fence, group_min_memory, rank0_broadcas
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.engine.installed import InstalledEngine
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+from sglang_dsv41_adapters import cli
 from sglang_dsv41_adapters.cli import EXIT_REFUSED
 from tests import census_cases
 from tests.census_cases import CASES
@@ -48,8 +49,33 @@ def test_refused_when_imported(imported, release, case):
     assert_refused_at(outcome, CASES[release][case], release, outcome["where"])
 
 
+@pytest.fixture(scope="module")
+def from_sources(tmp_path_factory):
+    """Each refactor written into a copy of its release's sources and judged as `doctor --engine
+    COPY` judges it (cli.report on the copy read with SourceEngine), here in one process: the
+    command itself is run once per release below."""
+    found = {}
+    for release, case in ALL_CASES:
+        tree = tmp_path_factory.mktemp(case) / "engine"
+        where = census_cases.source_tree(release_sources(release), CASES[release][case], tree)
+        report = cli.report({}, SourceEngine(tree))
+        found[release, case] = (report, where)
+    return found
+
+
 @pytest.mark.parametrize("release,case", ALL_CASES)
-def test_refused_by_doctor_engine(tmp_path, release, case):
+def test_refused_by_doctor_engine(from_sources, release, case):
+    refactor = CASES[release][case]
+    report, where = from_sources[release, case]
+    assert report["failed"] and cli.verdict(report) == "refused"  # doctor --strict exits 69
+    row = next(a for a in report["adapters"] if a["adapter"] == refactor.adapter)
+    assert_refused_at({"state": row["engine_check"], "reason": row["engine_check_reason"]}, refactor, release, where)
+
+
+@pytest.mark.parametrize("release", sorted(CASES))
+def test_the_doctor_engine_command_refuses_a_refactor(tmp_path, release):
+    """The command end to end, on one refactor per release: exit 69, the reason in its JSON."""
+    case = sorted(CASES[release])[0]
     refactor = CASES[release][case]
     where = census_cases.source_tree(release_sources(release), refactor, tmp_path / "engine")
     done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(tmp_path / "engine")],

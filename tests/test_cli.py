@@ -23,7 +23,7 @@ from harness.engines import ROOT, engine_env, python, release_sources
 SCHEMA = json.loads((ROOT / "docs" / "doctor-report.schema.json").read_text())
 
 
-def cli(*args: str, release: str = "0.5.23", timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, release: str = "0.5.23", timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     """entrypoint.py with the venv's bin first on PATH, as in the image (python3, sglang)."""
     path = f"{pathlib.Path(python()).parent}{os.pathsep}{os.environ['PATH']}"
     return subprocess.run([python(), "entrypoint.py", *args], cwd=ROOT, env=engine_env(release, PATH=path, **env),
@@ -82,7 +82,7 @@ def test_a_usage_error_in_the_packs_command_line_is_64(capsys):
 
 @pytest.mark.parametrize("path", ["/nonexistent/sglang-0.5.23", "README.md", "docs"])
 def test_doctor_engine_with_a_bad_path_is_one_line_and_64(path):
-    done = cli("doctor", "--engine", path, timeout=60)
+    done = run_cli("doctor", "--engine", path, timeout=60)
     assert done.returncode == 64, done.stderr[-2000:]
     (line,) = done.stderr.strip().splitlines()
     assert re.match(rf"\[sglang-adapters\] pid=\d+ rank=launcher doctor --engine {re.escape(path)}: ", line), line
@@ -102,7 +102,7 @@ def test_a_reader_that_leaves_early_is_no_error():
 # --- the wrapper, with real commands ----------------------------------------------------------
 
 def test_the_wrapper_passes_the_commands_status_through_and_execs_it():
-    done = cli("python", "-c", "import os; print(os.getpid()); raise SystemExit(7)", DSV41_FOLDED_FENCE="1")
+    done = run_cli("python", "-c", "import os; print(os.getpid()); raise SystemExit(7)", DSV41_FOLDED_FENCE="1")
     assert done.returncode == 7, done.stderr[-3000:]
     lines = pack_lines(done.stderr)
     assert [line.split()[3] for line in lines] == ["deployment:", *ADAPTERS]
@@ -113,7 +113,7 @@ def test_the_wrapper_passes_the_commands_status_through_and_execs_it():
 
 @pytest.mark.parametrize("command", [["--", "python3", "-m", "sglang.launch_server"], ["sglang", "serve"]])
 def test_the_wrapper_runs_the_engines_own_server(command):
-    done = cli(*command, "--help", DSV41_SPEC_TP_SYNC="all")
+    done = run_cli(*command, "--help", DSV41_SPEC_TP_SYNC="all")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--speculative-algorithm" in done.stdout and "--model-path" in done.stdout
     assert "rank0_broadcast DSV41_SPEC_TP_SYNC='all': SUPERSEDED" in done.stderr
@@ -121,20 +121,20 @@ def test_the_wrapper_runs_the_engines_own_server(command):
 
 def test_the_wrapper_hands_the_selection_to_the_command():
     code = "import os; print(os.environ.get('SGLANG_SPEC_TP_SYNC'))"
-    done = cli("python", "-c", code, DSV41_SPEC_TP_SYNC="all,-dspark-draft")
+    done = run_cli("python", "-c", code, DSV41_SPEC_TP_SYNC="all,-dspark-draft")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "1,7,8,9,10,11,12,13,14,15,16"
 
 
 def test_the_wrapper_stops_before_the_command_on_a_flag_error():
-    done = cli("python", "-c", "print('ran')", DSV4_FOLDED_FENCE="1", timeout=60)
+    done = run_cli("python", "-c", "print('ran')", DSV4_FOLDED_FENCE="1", timeout=60)
     assert done.returncode == cli.EXIT_FLAGS == 78
     assert "ran" not in done.stdout
     assert "DSV4_FOLDED_FENCE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE?" in done.stderr
 
 
 def test_a_missing_command_is_127():
-    done = cli("no-such-command-for-sglang-adapters", "--x", timeout=60)
+    done = run_cli("no-such-command-for-sglang-adapters", "--x", timeout=60)
     assert done.returncode == 127
     assert "rank=launcher no-such-command-for-sglang-adapters: command not found\n" in done.stderr
 
@@ -187,7 +187,7 @@ def test_launch_wrapper_and_strict_doctor_exit_alike(environ, monkeypatch, capsy
 
 
 def test_the_engines_own_argument_error_stays_2():
-    done = cli("--model-path", "/nonexistent", "--no-such-engine-argument", timeout=240)
+    done = run_cli("--model-path", "/nonexistent", "--no-such-engine-argument", timeout=240)
     assert done.returncode == 2
     assert "unrecognized arguments: --no-such-engine-argument" in done.stderr
 
@@ -217,7 +217,7 @@ def test_the_schema_is_a_schema_and_its_check_can_fail():
 def test_fields_added_within_schema_version_1_validate():
     """The schema promises additive changes within a version: a report of this version with a
     field this file does not know yet, at any level, still validates."""
-    done = cli("doctor", "--json", DSV41_FOLDED_FENCE="1")
+    done = run_cli("doctor", "--json", DSV41_FOLDED_FENCE="1")
     report = json.loads(done.stdout)
     assert schema_errors(report) == []
     report["added_later"] = {"any": ["shape"]}
@@ -240,7 +240,7 @@ def test_fields_added_within_schema_version_1_validate():
 def test_doctor_json_matches_its_schema(args, env, verdict):
     if args:
         args = ("--engine", str(release_sources(args[1])))
-    done = cli("doctor", "--json", "--strict", *args, **env)
+    done = run_cli("doctor", "--json", "--strict", *args, **env)
     report = json.loads(done.stdout)
     assert schema_errors(report) == []
     assert (report["verdict"], report["strict_exit_status"], done.returncode) == (verdict, *[cli.VERDICT_STATUS[verdict]] * 2)
@@ -266,7 +266,7 @@ def test_doctor_json_matches_its_schema(args, env, verdict):
 
 
 def test_doctor_table_shows_an_empty_value_as_quotes():
-    done = cli("doctor", DSV41_SPEC_TP_SYNC="", DSV41_FOLDED_FENCE="on")
+    done = run_cli("doctor", DSV41_SPEC_TP_SYNC="", DSV41_FOLDED_FENCE="on")
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[3:7]}  # under the engine header
     assert rows["rank0_broadcast"][:4] == ["rank0_broadcast", "DSV41_SPEC_TP_SYNC", "''", "off"]
     assert rows["folded_fence"][:4] == ["folded_fence", "DSV41_FOLDED_FENCE", "'on'", "applied"]
@@ -301,7 +301,7 @@ def test_every_line_is_one_line_under_200_characters(release):
 
 
 def test_json_lines_for_log_pipelines():
-    done = cli("python", "-c", "pass", DSV41_ADAPTERS_LOG="json", DSV41_FOLDED_FENCE="1")
+    done = run_cli("python", "-c", "pass", DSV41_ADAPTERS_LOG="json", DSV41_FOLDED_FENCE="1")
     assert done.returncode == 0, done.stderr[-3000:]
     objects = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"pack":"sglang-adapters"')]
     assert [o.get("adapter", "deployment") for o in objects] == ["deployment", *ADAPTERS]
@@ -319,8 +319,8 @@ def test_json_lines_for_log_pipelines():
 
 def test_json_mode_covers_every_line_the_fatal_one_too():
     """A refusal and a missing command: every line the pack prints is one JSON object."""
-    refused = cli("python", "-c", "pass", DSV41_ADAPTERS_LOG="json", DSV41_FOLDED_FENSE="1", timeout=120)
-    missing = cli("no-such-command-for-sglang-adapters", DSV41_ADAPTERS_LOG="json", timeout=120)
+    refused = run_cli("python", "-c", "pass", DSV41_ADAPTERS_LOG="json", DSV41_FOLDED_FENSE="1", timeout=120)
+    missing = run_cli("no-such-command-for-sglang-adapters", DSV41_ADAPTERS_LOG="json", timeout=120)
     assert (refused.returncode, missing.returncode) == (78, 127)
     for done in (refused, missing):
         ours = [line for line in done.stderr.splitlines() if "sglang-adapters" in line]
@@ -331,7 +331,7 @@ def test_json_mode_covers_every_line_the_fatal_one_too():
 
 
 def test_master_switch_is_one_line_and_applies_nothing():
-    done = cli("python", "-c", "import os; print(os.environ.get('SGLANG_SPEC_TP_SYNC'))", DSV41_ADAPTERS="off",
+    done = run_cli("python", "-c", "import os; print(os.environ.get('SGLANG_SPEC_TP_SYNC'))", DSV41_ADAPTERS="off",
                DSV41_FOLDED_FENCE="1", DSV41_SPEC_TP_SYNC="rng", DSV41_GROUP_MIN_MEM="yes", timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
     (line,) = pack_lines(done.stderr)
@@ -389,14 +389,14 @@ def test_the_engines_and_this_machines_variables_do_not_trip_it():
 def test_did_you_mean_for_a_selector_token():
     decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all,-dspark-mme"}, names=("rank0_broadcast",))
     assert "unknown token 'dspark-mme' (did you mean 'dspark-mem'?)" in decision.outcomes[0].reason
-    assert decision.flag_errors == [decision.outcomes[0].reason]
+    assert decision.flag_errors == (decision.outcomes[0].reason,)
 
 
 def test_a_conflict_names_the_sites_as_the_flags_write_them():
     decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all", "SGLANG_SPEC_TP_SYNC": "init"}, names=("rank0_broadcast",))
     reason = decision.outcomes[0].reason
     assert "SGLANG_SPEC_TP_SYNC: ='init' selects sites 1,12 but DSV41_SPEC_TP_SYNC='all' selects 1,7,8,9," in reason
-    assert "[" not in reason and decision.flag_errors == []
+    assert "[" not in reason and decision.flag_errors == ()
 
 
 # --- the deployment: doctor -- COMMAND, the wrapper ---------------------------------------------
@@ -408,7 +408,7 @@ SERVER = ["python3", "-m", "sglang.launch_server", "--model-path", "/models/m", 
 @pytest.mark.parametrize("extra,attn_dp", [([], 1), (["--enable-dp-attention", "--dp-size", "4"], 4),
                                            (["--enable-dp-attention", "--dp-size", "2"], 2)])
 def test_doctor_judges_the_commands_deployment_without_running_it(release, extra, attn_dp):
-    done = cli("doctor", "--json", "--", *SERVER, *extra, "--speculative-algorithm", "DSPARK", release=release)
+    done = run_cli("doctor", "--json", "--", *SERVER, *extra, "--speculative-algorithm", "DSPARK", release=release)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert schema_errors(report, SCHEMA) == []
@@ -420,10 +420,10 @@ def test_doctor_judges_the_commands_deployment_without_running_it(release, extra
 
 
 def test_doctor_without_a_command_says_the_outcomes_hold_for_every_layout():
-    done = cli("doctor")
+    done = run_cli("doctor")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "deployment: none given (doctor -- COMMAND judges one); the outcomes above hold for every layout" in done.stdout
-    report = json.loads(cli("doctor", "--json").stdout)
+    report = json.loads(run_cli("doctor", "--json").stdout)
     assert report["deployment"] is None and schema_errors(report, SCHEMA) == []
 
 
@@ -432,13 +432,13 @@ def test_doctor_without_a_command_says_the_outcomes_hold_for_every_layout():
     ([*SERVER, "--tp-size", "four"], "the engine's argument parser rejects the server arguments (argument --tp-size"),
 ])
 def test_doctor_refuses_a_command_it_cannot_judge_with_64(command, why):
-    done = cli("doctor", "--", *command)
+    done = run_cli("doctor", "--", *command)
     assert done.returncode == cli.EXIT_USAGE
     assert why in done.stderr and done.stdout == ""
 
 
 def test_the_wrapper_says_which_deployment_it_judged():
-    done = cli("--", "python3", "-c", "print('ran')", DSV41_FOLDED_FENCE="1")
+    done = run_cli("--", "python3", "-c", "print('ran')", DSV41_FOLDED_FENCE="1")
     assert done.returncode == 0 and done.stdout == "ran\n"
     assert "deployment: every layout (python3 does not start the engine's server)" in done.stderr
     parsed = subprocess.run(

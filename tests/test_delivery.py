@@ -203,14 +203,14 @@ SAYS_THEN_LOADS = """
 import json, sys
 folder, first = sys.argv[1], sys.argv[2] == "first"
 sys.path.insert(0, folder) if first else sys.path.append(folder)
-from sglang_dsv41_adapters import delivery, runtime
+from sglang_dsv41_adapters.framework import delivery, runtime
 said = delivery.pack_entry_point({})
 problems = runtime.delivery_problems({})
 from sglang.srt.plugins import load_plugins
 load_plugins()
 import sglang.srt.managers.scheduler
 import rival_plugin
-from sglang_dsv41_adapters import patching
+from sglang_dsv41_adapters.framework import patching
 ours = any(s.adapter == "pack-guard" for s in patching.applied())
 print(json.dumps({"said": said and said.value, "problems": problems, "ours_ran": ours, "rival_ran": rival_plugin.RAN}))
 """

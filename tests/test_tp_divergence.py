@@ -231,7 +231,7 @@ def test_engine_check_on_the_release_sources():
     from harness.engines import ENGINE_PATHS
 
     state, reason = runtime.engine_check(t.SURFACE, SourceEngine(ENGINE_PATHS["0.5.18"][0]))
-    assert state == runtime.APPLIED and "at the pack's broadcast (adapter.rank0_broadcast.broadcast)" in reason
+    assert state == runtime.APPLIED and "at the pack's broadcast (sglang_dsv41_adapters.spectpsync.broadcast.broadcast)" in reason
     assert "7:dspark-plan: broadcast by the engine itself before 0.5.19" in reason
     # the deployment's own decision on that release: without the broadcast, nothing to compare
     _, outcome = decide({t.FLAG: "1"}, SourceEngine(ENGINE_PATHS["0.5.18"][0]))

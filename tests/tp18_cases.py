@@ -44,7 +44,7 @@ BINDINGS = (("dspark_draft_sampler", "greedy_step_sampler"), ("dspark_draft_samp
 
 def _configure(value):
     """The rank-0 broadcast set to `value` (None: unset) through the runtime, as every rank does."""
-    from sglang_dsv41_adapters import rank0_broadcast as r
+    from sglang_dsv41_adapters.rank0_broadcast import before_0_5_19 as r
     from harness.nccl import switch
 
     return switch(r, {} if value is None else {r.FLAG: value})
@@ -134,7 +134,7 @@ def _fields(greedy, folded, epilogue):
 def _wrapped(originals) -> dict:
     import importlib
 
-    from sglang_dsv41_adapters import rank0_broadcast as r
+    from sglang_dsv41_adapters.rank0_broadcast import before_0_5_19 as r
 
     out = {}
     for module, name in BINDINGS:
@@ -206,7 +206,7 @@ def release18_case(rank, world, nccl, n, skewed):
     import torch.distributed as dist
 
     from sglang_dsv41_adapters.spectpsync import broadcast as b
-    from sglang_dsv41_adapters import rank0_broadcast as r
+    from sglang_dsv41_adapters.rank0_broadcast import before_0_5_19 as r
     from sglang_dsv41_adapters.engine.installed import engine_version
     from harness.nccl import device_of, make_group
 

@@ -11,14 +11,8 @@ done by the engine helper itself (`distributed=True, cpu_group=group.cpu_group`)
 Only the consumer modules' own bindings of the helper are wrapped; the shared
 helper and every other importer (model_runner, eagle workers, ...) keep theirs.
 
-Groups, as upstream 0.5.19 chose them (`SpecTpSync.available_memory_gb`):
-- DSpark (capture gate and folded sampling): the draft graph group, attn_tp_group
-  when the draft DP context is on, else tp_group;
-- DFlash capture gate: tp_group.
-The group is resolved at probe time without ever reading a swapped `_TP`: the
-sampler probe runs inside `DSparkWorkerV2._draft_context()`, which swaps `_TP` for
-attn_tp_group (`parallel_state._TP_STATE_PATCHED`), and `get_parallel().tp_group` is
-a live read of that swapped `_TP`, so neither is used there.
+Which group owns each decision, and how it is read without a swapped `_TP`, is said in
+before_0_5_19.py (the code for those releases).
 
 From 0.5.19 the engine probes through `SpecTpSync.available_memory_gb(site, ..., group=g)`,
 which reduces over g only when SpecTpSync keeps its sites, i.e. when the group it was built

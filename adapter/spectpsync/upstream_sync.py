@@ -317,7 +317,8 @@ def _prove_env_read(contract: Contract, engine) -> None:
                 and _unparsed(s.targets) == [ENGINE_FLAG]]
     if len(declared) != 1 or not ast.unparse(declared[0].value).startswith("EnvStr("):
         raise contract.refuse(symbol, "is no longer declared once in Envs as an EnvStr")
-    if "envs = Envs()" not in _unparsed(tree.body) or any(
+    plain = [s for s in tree.body if isinstance(s, ast.Assign) and _unparsed(s.targets) == ["envs"]]
+    if _unparsed(plain) != ["envs = Envs()"] or any(
             isinstance(s, ast.FunctionDef) and s.name in ("__getattr__", "__getattribute__") for s in classes["Envs"].body):
         raise contract.refuse(symbol, "envs is no longer a plain Envs()")
     field, text = classes.get("EnvField"), classes.get("EnvStr")
