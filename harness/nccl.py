@@ -59,6 +59,9 @@ def spawn_ranks(world: int, target: str, *, nccl: bool, kwargs: dict | None = No
         # A file in the run's own folder, not a TCP port: a free port picked here can be taken
         # before the children bind it (seen on the GPU machine between two runs).
         rendezvous = f"file://{outdir}/rendezvous"
+        if not nccl:
+            _gloo_ranks(world, (rendezvous, target, kwargs or {}, outdir), timeout, list(path))
+            return [json.loads(pathlib.Path(outdir, f"rank{r}.json").read_text()) for r in range(world)]
         ctx = mp.start_processes(_child, args=(world, rendezvous, nccl, target, kwargs or {}, outdir, list(path)),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
@@ -72,6 +75,32 @@ def spawn_ranks(world: int, target: str, *, nccl: bool, kwargs: dict | None = No
                 if proc.is_alive():
                     proc.kill()
         return [json.loads(pathlib.Path(outdir, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _gloo_ranks(world: int, job: tuple, timeout: float, path: list) -> None:
+    """The CPU ranks: the same child, started from a zygote (harness/zygote.py) that has
+    imported the release `path` selects, instead of a spawn that imports it again per rank."""
+    import subprocess
+    import sys
+
+    from . import zygote
+    from .engines import ROOT
+
+    env = dict(os.environ, **NO_MULTICAST)
+    env["PYTHONPATH"] = os.pathsep.join([*path, str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    procs = [zygote.popen([sys.executable, "-m", "harness.nccl", json.dumps([rank, world, *job])], cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    deadline = time.monotonic() + timeout
+    try:
+        for rank, proc in enumerate(procs):
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise AssertionError(f"rank {rank} of {job[1]} failed (exit {proc.returncode}):\n{err[-4000:]}")
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{job[1]} did not finish within {timeout}s on {world} ranks (a hang in a collective?)")
+    finally:
+        for proc in procs:
+            proc.kill()
 
 
 # ---------------------------------------------------------------- the TP group
@@ -188,3 +217,8 @@ def report(on: bool, every: int = 8) -> None:
     switch(t, {t.FLAG: "1", t.EVERY_FLAG: str(every)} if on else {})
 
 
+if __name__ == "__main__":  # a CPU rank of _gloo_ranks
+    import sys
+
+    rank, world, rendezvous, target, kwargs, outdir = json.loads(sys.argv[1])
+    _child(rank, world, rendezvous, False, target, kwargs, outdir, [])

@@ -16,6 +16,7 @@ import json
 import socket
 import subprocess
 
+from . import zygote
 from .engines import ROOT, engine_env, python
 
 RESULT = "RANK-RESULT:"
@@ -35,7 +36,7 @@ def run_ranks(world_size: int, target: str, *, release: str = "0.5.23", kwargs: 
     for rank in range(world_size):
         child_env = engine_env(release, **(env or {}))
         child_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
+        procs.append(zygote.popen(
             [python(), "-m", "harness._rank_main", target, json.dumps(kwargs or {})],
             cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))

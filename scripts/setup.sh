@@ -13,7 +13,7 @@ fi
 "$VENV/bin/pip" install --quiet -r requirements/engine-0.5.23.txt
 "$VENV/bin/pip" install --quiet --no-deps "sglang==0.5.23"
 "$VENV/bin/pip" install --quiet --no-deps -e .
-"$VENV/bin/pip" install --quiet "pytest==9.2.0" "pytest-timeout==2.4.0"
+"$VENV/bin/pip" install --quiet "pytest==9.2.0" "pytest-timeout==2.4.0" "pytest-xdist==3.8.0" "execnet==2.1.2"
 echo "setup: $("$VENV/bin/python" -c 'import importlib.metadata as m; print("sglang", m.version("sglang"), "torch", m.version("torch"), "pack", m.version("sglang-dsv41-adapters"))')"
 # A second engine, sglang 0.5.18 (the last release without upstream's SpecTpSync), for the
 # adapters that act on 0.5.16-0.5.18. It sits beside the venv in --target folders with its
@@ -33,3 +33,6 @@ echo "setup: sglang 0.5.18 in $E18 (+ .engines/deps-0.5.18)"
 # dependencies are pinned too; PyYAML, packaging and typing_extensions come pinned with the engine.
 "$VENV/bin/pip" install --quiet "kubernetes-validate==1.37.0" "jsonschema==4.26.0" "jsonschema-specifications==2025.9.1" \
   "referencing==0.37.0" "rpds-py==2026.9.1" "importlib_resources==7.1.0"
+# Every release's sources for the compatibility matrix and the tests that read releases from source
+# (.engines/src; fetched once, about 250 MB of wheels the first time).
+"$VENV/bin/python" tools/compat_matrix.py --fetch

@@ -20,6 +20,7 @@ from sglang_dsv41_adapters.cli import EXIT_REFUSED
 from tests import census_cases
 from tests.census_cases import CASES
 from harness.engines import ROOT, engine_env, python, release_sources
+from harness import zygote
 
 
 ALL_CASES = [(release, case) for release in CASES for case in CASES[release]]
@@ -35,7 +36,7 @@ def assert_refused_at(outcome: dict, refactor, release: str, where: str) -> None
 @pytest.fixture(scope="module")
 def imported():
     """0.5.23 in this interpreter; 0.5.18 in a child interpreter that imports it."""
-    done = subprocess.run([python(), "-m", "tests.census_cases", "0.5.18"], cwd=ROOT, env=engine_env("0.5.18"),
+    done = zygote.run([python(), "-m", "tests.census_cases", "0.5.18"], cwd=ROOT, env=engine_env("0.5.18"),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT:"))
@@ -78,7 +79,7 @@ def test_the_doctor_engine_command_refuses_a_refactor(tmp_path, release):
     case = sorted(CASES[release])[0]
     refactor = CASES[release][case]
     where = census_cases.source_tree(release_sources(release), refactor, tmp_path / "engine")
-    done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(tmp_path / "engine")],
+    done = zygote.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(tmp_path / "engine")],
                           cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=600)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     row = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == refactor.adapter)

@@ -19,6 +19,7 @@ from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from tests.agreement_cases import combos
 from harness.engines import ROOT, engine_env, python, release_sources
+from harness import zygote
 
 SCHEMA = json.loads((ROOT / "docs" / "doctor-report.schema.json").read_text())
 
@@ -26,7 +27,7 @@ SCHEMA = json.loads((ROOT / "docs" / "doctor-report.schema.json").read_text())
 def run_cli(*args: str, release: str = "0.5.23", timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     """entrypoint.py with the venv's bin first on PATH, as in the image (python3, sglang)."""
     path = f"{pathlib.Path(python()).parent}{os.pathsep}{os.environ['PATH']}"
-    return subprocess.run([python(), "entrypoint.py", *args], cwd=ROOT, env=engine_env(release, PATH=path, **env),
+    return zygote.run([python(), "entrypoint.py", *args], cwd=ROOT, env=engine_env(release, PATH=path, **env),
                           capture_output=True, text=True, timeout=timeout)
 
 

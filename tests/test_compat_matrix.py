@@ -15,13 +15,14 @@ from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters.cli import EXIT_REFUSED
 from harness.engines import ROOT, engine_env, python
+from harness import zygote
 
 SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
 
 
 def test_committed_matrix_matches_the_release_wheels():
     """Recomputed from the real wheels of 0.5.16 onward (downloaded once into .engines/)."""
-    done = subprocess.run([python(), "tools/compat_matrix.py", "--check"], cwd=ROOT, capture_output=True, text=True,
+    done = zygote.run([python(), "tools/compat_matrix.py", "--check"], cwd=ROOT, capture_output=True, text=True,
                           timeout=1800)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert "docs/COMPATIBILITY.md matches the" in done.stderr
@@ -47,7 +48,7 @@ def drifted_tree(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def test_doctor_refuses_a_drifted_engine_it_has_not_imported(tmp_path):
-    done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(drifted_tree(tmp_path))],
+    done = zygote.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(drifted_tree(tmp_path))],
                           cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     report = json.loads(done.stdout)

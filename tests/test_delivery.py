@@ -19,6 +19,7 @@ from sglang_dsv41_adapters.engine.installed import InstalledEngine
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from harness.doctored import DoctoredEngine, doctored_module
 from harness.engines import ENGINE_PATHS, ROOT, engine_env, python, release_sources
+from harness import zygote
 
 OURS = "dsv41_adapters"
 FENCE_ON = {folded_fence.FLAG: "1"}
@@ -218,7 +219,7 @@ print(json.dumps({"said": said and said.value, "problems": problems, "ours_ran":
 
 @pytest.mark.parametrize("order", ["first", "last"])
 def test_another_distribution_under_the_packs_name_is_refused_in_either_order(rival, order):
-    done = subprocess.run([python(), "-c", SAYS_THEN_LOADS, str(rival), order], cwd=ROOT, env=engine_env("0.5.23"),
+    done = zygote.run([python(), "-c", SAYS_THEN_LOADS, str(rival), order], cwd=ROOT, env=engine_env("0.5.23"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
@@ -239,7 +240,7 @@ def test_another_distribution_under_the_packs_name_is_refused_in_either_order(ri
 def test_a_shadowed_plugin_stops_doctor_strict_and_the_launch(rival):
     env = engine_env("0.5.23", **FENCE_ON)
     env["PYTHONPATH"] = f"{rival}{os.pathsep}{env['PYTHONPATH']}"
-    doctor = subprocess.run([python(), "entrypoint.py", "doctor", "--strict", "--json"], cwd=ROOT, env=env,
+    doctor = zygote.run([python(), "entrypoint.py", "doctor", "--strict", "--json"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert doctor.returncode == 69, doctor.stderr[-3000:]
     report = json.loads(doctor.stdout)
@@ -248,7 +249,7 @@ def test_a_shadowed_plugin_stops_doctor_strict_and_the_launch(rival):
     # Which of the two the engine keeps depends on where each is found on sys.path (the checkout's
     # own egg-info, when set up editable, comes before the rival): the order test above pins both.
     assert report["ranks"]["entry_point"]["value"] in (delivery.TARGET, RIVAL)
-    launch = subprocess.run([python(), "entrypoint.py", "python", "-c", "print('ran')"], cwd=ROOT, env=env,
+    launch = zygote.run([python(), "entrypoint.py", "python", "-c", "print('ran')"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert launch.returncode == 69 and "ran" not in launch.stdout
     assert "the engine must not start: " in launch.stderr and "rival-pack 2.0" in launch.stderr
@@ -259,10 +260,10 @@ def test_a_shadowed_plugin_fails_the_image_build_with_every_flag_off(rival):
     cannot be shown to run the pack fails there, not at the first rollout that sets a flag."""
     env = engine_env("0.5.23")
     env["PYTHONPATH"] = f"{rival}{os.pathsep}{env['PYTHONPATH']}"
-    doctor = subprocess.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env,
+    doctor = zygote.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert doctor.returncode == 69, doctor.stdout[-3000:] + doctor.stderr[-2000:]
     assert "registered by 2 distributions" in doctor.stdout and "verdict: refused" in doctor.stdout
-    alone = subprocess.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=engine_env("0.5.23"),
+    alone = zygote.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=engine_env("0.5.23"),
                            capture_output=True, text=True, timeout=300)
     assert alone.returncode == 0, alone.stdout[-3000:]

@@ -9,10 +9,11 @@ from sglang_dsv41_adapters import load
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from harness.engines import ENGINE_PATHS, ROOT, engine_env, python
+from harness import zygote
 
 
 def doctor(release: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([python(), "entrypoint.py", "doctor", *args], cwd=ROOT, env=engine_env(release, **env),
+    return zygote.run([python(), "entrypoint.py", "doctor", *args], cwd=ROOT, env=engine_env(release, **env),
                           capture_output=True, text=True, timeout=300)
 
 

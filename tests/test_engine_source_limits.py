@@ -15,11 +15,12 @@ from sglang_dsv41_adapters.engine import source_engine
 from sglang_dsv41_adapters.engine.source_engine import EngineSourceError, SourceEngine, open_engine, unpack_wheel
 from sglang_dsv41_adapters.cli import EXIT_USAGE
 from harness.engines import ROOT, engine_env, python, release_wheel
+from harness import zygote
 
 
 def doctor_engine(path) -> subprocess.CompletedProcess:
     # The timeout turns a hang (a FIFO opened for reading) into a failure.
-    return subprocess.run([python(), "entrypoint.py", "doctor", "--engine", str(path)], cwd=ROOT,
+    return zygote.run([python(), "entrypoint.py", "doctor", "--engine", str(path)], cwd=ROOT,
                           env=engine_env("0.5.23"), capture_output=True, text=True, timeout=120)
 
 

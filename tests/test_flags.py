@@ -10,6 +10,7 @@ from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.flags import FlagError, parse_switch
 from harness.engines import ROOT, engine_env, python
+from harness import zygote
 
 GOOD = {"1": True, "0": False, "on": True, "off": False, "true": True, "false": False, "none": False,
         "ON": True, "Off": False, "TRUE": True, "False": False, "tRuE": True, "NONE": False}
@@ -53,7 +54,7 @@ def test_off_adapter_patches_nothing():
 
 def test_launch_with_a_bad_flag_stops_before_the_engine_starts():
     env = engine_env("0.5.23", DSV41_FOLDED_FENCE="enabled")
-    done = subprocess.run([python(), "entrypoint.py", "--model-path", "/nonexistent", "--tp", "4"],
+    done = zygote.run([python(), "entrypoint.py", "--model-path", "/nonexistent", "--tp", "4"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 78  # a pack flag not understood (the engine's own argument errors are 2)
     assert "the engine must not start: DSV41_FOLDED_FENCE='enabled' is not understood" in done.stderr
@@ -63,7 +64,7 @@ def test_launch_with_a_bad_flag_stops_before_the_engine_starts():
 
 def test_a_misspelt_flag_stops_the_launch_and_fails_strict_doctor():
     env = engine_env("0.5.23", DSV41_FOLDED_FENSE="1")
-    done = subprocess.run([python(), "entrypoint.py", "--model-path", "/nonexistent"],
+    done = zygote.run([python(), "entrypoint.py", "--model-path", "/nonexistent"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 78
     assert ("DSV41_FOLDED_FENSE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE? (its flags: DSV41_ADAPTERS, "
@@ -108,11 +109,11 @@ def test_kubernetes_service_links_do_not_stop_the_server():
     """doctor --strict and the launch in a pod of a namespace with a Service `dsv41`: they go on,
     and the launcher says once which variables it ignored."""
     env = engine_env("0.5.23", DSV41_FOLDED_FENCE="1", **SERVICE)
-    doctor = subprocess.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env, capture_output=True,
+    doctor = zygote.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=240)
     assert doctor.returncode == 0, doctor.stdout[-2000:] + doctor.stderr[-2000:]
     assert "flags: ignored DSV41_PORT, DSV41_PORT_30000_TCP, " in doctor.stdout
-    launch = subprocess.run([python(), "entrypoint.py", "python", "-c", "print('ran')"], cwd=ROOT, env=env,
+    launch = zygote.run([python(), "entrypoint.py", "python", "-c", "print('ran')"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=240)
     assert launch.returncode == 0 and launch.stdout == "ran\n", launch.stderr[-2000:]
     ignored = [line for line in launch.stderr.splitlines() if " ignored DSV41_" in line]

@@ -40,6 +40,7 @@ from harness.doctored import DoctoredEngine, Drift
 from harness.engines import ROOT, engine_env, python
 from harness.ranks import run_ranks
 from harness.nccl import spawn_ranks
+from harness import zygote
 
 ON = {gm.FLAG: "1"}
 ONLY = (gm.NAME,)
@@ -187,7 +188,7 @@ def test_four_ranks_dp_attention(four_ranks_dp):
 
 @pytest.fixture(scope="module")
 def on_0_5_18():
-    proc = subprocess.run([python(), "-m", "tests.mem_cases", "inproc_checks"], cwd=ROOT, env=engine_env("0.5.18"),
+    proc = zygote.run([python(), "-m", "tests.mem_cases", "inproc_checks"], cwd=ROOT, env=engine_env("0.5.18"),
                           capture_output=True, text=True, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT:")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 RECIPE = ROOT / "recipes" / "dsv41-flash-tp4-dspark"
@@ -129,8 +131,10 @@ class Image:
         return [exe, *argv[1:]]
 
     def popen(self, argv: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen(self.command(argv), cwd=self.workdir, env=self.env(env_extra),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        """The command in the image's environment; a console script of the image's Python
+        starts from a parent that imported the engine there (harness/zygote.py)."""
+        return zygote.popen(self.command(argv), cwd=self.workdir, env=self.env(env_extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def run(self, argv: list[str], env_extra: dict[str, str] | None = None, timeout: float = 150):
         proc = self.popen(argv, env_extra)

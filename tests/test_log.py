@@ -13,6 +13,7 @@ import pytest
 
 from sglang_dsv41_adapters.framework import log
 from harness.engines import ROOT, engine_env, python
+from harness import zygote
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_a_0_5_18_scheduler_is_labelled_from_its_arguments():
             "init = Scheduler.__init__.__get__(object.__new__(Scheduler)); "
             "print(log.label_scheduler(init, (None, None, 3, 3, 0, 0, 0, 0, None), {})); "
             "print(log.label_scheduler(init, (None, None, 1, 1, 0, 1, 0, 0, 2), {}))")
-    done = subprocess.run([python(), "-c", code], cwd=ROOT, env=engine_env("0.5.18"), capture_output=True, text=True,
+    done = zygote.run([python(), "-c", code], cwd=ROOT, env=engine_env("0.5.18"), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["3", "dp2-pp1-1"]

@@ -17,6 +17,7 @@ from sglang_dsv41_adapters.framework.topology import REPRESENTATIVE
 from harness.doctored import Drift
 from harness.engines import metric_samples, served_metrics
 from harness.ranks import run_ranks
+from harness import zygote
 
 N = 12
 SKEWED = [1, 4, 5, 10]  # k = 4 of n = 12 steps
@@ -260,7 +261,7 @@ def test_doctor_reports_the_sites(clean_env):
 
     from harness.engines import ROOT, engine_env, python
 
-    done = subprocess.run([python(), "entrypoint.py", "doctor", "--json", "--strict"], cwd=ROOT, capture_output=True,
+    done = zygote.run([python(), "entrypoint.py", "doctor", "--json", "--strict"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=engine_env("0.5.23", DSV41_TP_DIVERGENCE="1",
                                                                  DSV41_SPEC_TP_SYNC="all,-dspark-draft"))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,6 +13,7 @@ from sglang_dsv41_adapters import ADAPTERS, load
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.engine.source_engine import UNRELEASED, SourceEngine
 from harness.engines import ENGINE_PATHS, PREVIEW, ROOT, engine_env, python, relabelled, release_sources
+from harness import zygote
 
 COMBOS = [
     {},
@@ -54,7 +55,7 @@ def test_an_unreleased_build_gets_every_outcome_its_release_gets(tmp_path, relea
 
 def test_doctor_engine_on_an_unreleased_build_says_it_is_judged_by_its_code(tmp_path):
     tree = relabelled(release_sources("0.5.23"), tmp_path / "preview")
-    done = subprocess.run([python(), "entrypoint.py", "doctor", "--strict", "--engine", str(tree)], cwd=ROOT,
+    done = zygote.run([python(), "entrypoint.py", "doctor", "--strict", "--engine", str(tree)], cwd=ROOT,
                           env=engine_env("0.5.23", DSV41_FOLDED_FENCE="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     header = done.stdout.splitlines()[:2]
@@ -71,7 +72,7 @@ def test_an_installed_unreleased_build_first_on_the_path_is_labelled_by_its_own_
     tree = relabelled(ENGINE_PATHS["0.5.18"][0], tmp_path / "preview")
     env = engine_env("0.5.18", DSV41_FOLDED_FENCE="1")
     env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(ENGINE_PATHS["0.5.18"][0]), str(tree))
-    done = subprocess.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env,
+    done = zygote.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[:2] == [

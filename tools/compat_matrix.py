@@ -2,6 +2,7 @@
 
     python tools/compat_matrix.py            # write docs/COMPATIBILITY.md
     python tools/compat_matrix.py --check    # recompute; exit 1 with a diff if the committed file differs
+    python tools/compat_matrix.py --fetch    # only download and unpack the releases (scripts/setup.sh)
 
 Releases: 0.5.16 and every later one the package registry offers when this runs
 (`pip index versions sglang`), or those named with --releases. Each wheel is
@@ -143,9 +144,14 @@ def render(matrix: dict[str, dict[str, dict[str, tuple[str, str]]]]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare with the committed document instead of writing it")
+    parser.add_argument("--fetch", action="store_true", help="only fetch each release's sources into .engines/src")
     parser.add_argument("--releases", nargs="+", help="releases to check (default: 0.5.16 and later from the registry)")
     opts = parser.parse_args(argv)
     releases = opts.releases or registry_releases()
+    if opts.fetch:
+        for version in releases:
+            print(f"sglang {version}: {source_tree(version).relative_to(ROOT)}", file=sys.stderr, flush=True)
+        return 0
     matrix = {}
     for version in releases:
         print(f"checking sglang {version} ...", file=sys.stderr, flush=True)

@@ -84,7 +84,7 @@ def sites(modules, functions, names, kinds, why: str) -> list[Site]:
 
 def references(engine, names) -> list[Reference]:
     """Every reference to `names` in the engine's sources, in file and line order."""
-    files = tuple(sorted((m, str(p)) for m, p in engine.files().items()))
+    files = tuple(sorted(engine.files().items()))  # paths are str: python_files, __file__
     names = tuple(sorted(set(names)))
     # Parsing builds many small objects; in a rank that has imported the engine, the
     # collector would walk its whole heap again and again (ten times the parse itself).
@@ -100,7 +100,7 @@ def references(engine, names) -> list[Reference]:
 
 def files_holding(engine, names) -> set:
     """The engine's source files (module, path) whose text holds any of `names`."""
-    files = tuple(sorted((m, str(p)) for m, p in engine.files().items()))
+    files = tuple(sorted(engine.files().items()))  # paths are str: python_files, __file__
     return set().union(*_holding(files, tuple(sorted(set(names)))).values())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 from collections.abc import Iterable
 from typing import Callable, Optional
 
@@ -95,7 +96,7 @@ class Contract:
         if text is not None:
             return text
         try:
-            return inspect.getsource(func)
+            return _function_source(func)
         except (OSError, TypeError) as exc:
             raise self.refuse(dotted, f"source is unreadable ({exc})")
 
@@ -148,3 +149,20 @@ def target_modules(adapter: str, engine, targets) -> dict:
             continue
         found[name] = module
     return found
+
+
+_SOURCES: dict = {}  # (file, its modification time, first line, qualified name) -> source
+
+
+def _function_source(func) -> str:
+    """inspect.getsource(func), tokenized once per function of a file as it stands."""
+    code = getattr(inspect.unwrap(func), "__code__", None)
+    if code is None:
+        return inspect.getsource(func)
+    try:
+        key = (code.co_filename, os.stat(code.co_filename).st_mtime_ns, code.co_firstlineno, code.co_qualname)
+    except OSError:  # not a file (linecache may still hold it)
+        return inspect.getsource(func)
+    if key not in _SOURCES:
+        _SOURCES[key] = inspect.getsource(func)
+    return _SOURCES[key]

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import logging
 import os
+import sys
 import textwrap
 import types
 from collections.abc import Mapping
@@ -55,11 +57,23 @@ class Chosen(NamedTuple):
         return f"{self.name} = {self.value} from {self.dist}"
 
 
+class DistFacts(NamedTuple):
+    """What discovery reads of an entry point's distribution (its metadata parsed once)."""
+    name: str
+    version: str
+    location: str
+
+
+@functools.lru_cache(maxsize=None)
+def _facts(dist) -> Optional[DistFacts]:
+    return None if dist is None else DistFacts(dist.name, dist.version, str(dist.locate_file("")))
+
+
 def _dist(ep) -> str:
-    dist = ep.dist
-    if dist is None:
+    facts = ep.dist if isinstance(ep.dist, DistFacts) or ep.dist is None else _facts(ep.dist)
+    if facts is None:
         return "no distribution"
-    return f"{dist.name} {dist.version} ({dist.locate_file('')})"
+    return f"{facts.name} {facts.version} ({facts.location})"
 
 
 class _Listed:
@@ -67,7 +81,7 @@ class _Listed:
     that, when the engine runs it, records the entry point instead of doing anything."""
 
     def __init__(self, ep: importlib.metadata.EntryPoint, ran: list[Chosen]):
-        self.name, self.value, self.group, self.dist = ep.name, ep.value, ep.group, ep.dist
+        self.name, self.value, self.group, self.dist = ep.name, ep.value, ep.group, _facts(ep.dist)
         self._ran = ran
 
     def load(self):
@@ -105,6 +119,28 @@ def _copy_into_environ(keys, values: Mapping[str, str]) -> None:
             os.environ.pop(key, None)
 
 
+_ENTRY_POINTS: dict = {}  # (sys.path, its folders' times) -> {selection: entry points}
+
+
+def entry_points(**selection) -> tuple:
+    """importlib.metadata.entry_points(**selection), read once per state of sys.path: a
+    folder on it changes its modification time when a distribution is installed or removed."""
+    def stamp(folder):
+        try:
+            return os.stat(folder or ".").st_mtime_ns
+        except OSError:
+            return None
+
+    state = (tuple(sys.path), tuple(map(stamp, sys.path)))
+    if state not in _ENTRY_POINTS:
+        _ENTRY_POINTS.clear()  # only the current state is worth keeping
+    found = _ENTRY_POINTS.setdefault(state, {})
+    key = tuple(sorted(selection.items()))
+    if key not in found:
+        found[key] = tuple(importlib.metadata.entry_points(**selection))
+    return found[key]
+
+
 def chosen_plugins(environ: Mapping[str, str], plugins=None) -> list[Chosen]:
     """The general plugins the installed engine's `load_plugins()` would run in a process
     with `environ`, in its order: its own functions, rebound to a namespace where discovery
@@ -115,7 +151,7 @@ def chosen_plugins(environ: Mapping[str, str], plugins=None) -> list[Chosen]:
     ran: list[Chosen] = []
     namespace = dict(vars(plugins))
     namespace.update(
-        entry_points=lambda **kw: [_Listed(ep, ran) for ep in importlib.metadata.entry_points(**kw)],
+        entry_points=lambda **kw: [_Listed(ep, ran) for ep in entry_points(**kw)],
         HookRegistry=_NoHooks, logger=_quiet, _plugins_loaded=False,
     )
     for name, value in vars(plugins).items():
@@ -157,7 +193,7 @@ def _pack_name(registered) -> Optional[str]:
 def pack_entry_point(environ: Mapping[str, str], plugins=None) -> Optional[Chosen]:
     """What the engine's loader would run under the pack's name in a process with
     `environ`: the pack's entry point, another distribution's, or nothing."""
-    name = _pack_name(importlib.metadata.entry_points(group=GROUP))
+    name = _pack_name(entry_points(group=GROUP))
     try:
         return next((c for c in chosen_plugins(environ, plugins) if c.name == name), None)
     except Exception:  # discovery that cannot run shows nothing; discovery_problems says why
@@ -169,7 +205,7 @@ def installation_broken() -> bool:
     not registered, or another distribution registers the same name. doctor --strict fails
     on it with every flag off too, so that docker build catches it (the reason is among
     discovery_problems)."""
-    registered = list(importlib.metadata.entry_points(group=GROUP))
+    registered = list(entry_points(group=GROUP))
     name = _pack_name(registered)
     return name is None or sum(ep.name == name for ep in registered) > 1
 
@@ -177,7 +213,7 @@ def installation_broken() -> bool:
 def discovery_problems(environ: Mapping[str, str], plugins=None) -> list[str]:
     """Why ranks would not run the pack's plugin under `environ`, if they would not, judged
     by `plugins` (the installed engine's loader by default)."""
-    registered = list(importlib.metadata.entry_points(group=GROUP))
+    registered = list(entry_points(group=GROUP))
     name = _pack_name(registered)
     if name is None:
         return [

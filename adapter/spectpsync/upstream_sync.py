@@ -265,9 +265,25 @@ SITES_KEPT = (f"{CLASS} reads {ENGINE_FLAG} live (envs.{ENGINE_FLAG}.get(), pars
 ENV_READS = (f"envs.{ENGINE_FLAG}.get()",)
 
 
+_SHOWN: set = set()  # (proof, the source texts it read) shown in this process
+
+
+def _shown_once(key: tuple, prove) -> None:
+    """Run a static proof once per set of source texts it reads: its verdict depends on
+    those texts alone (a refusal is not kept: it is raised again on the next call)."""
+    if key not in _SHOWN:
+        prove()
+        _SHOWN.add(key)
+
+
 def _prove_init(contract: Contract, engine, cls: ast.ClassDef) -> None:
     """__init__(self, group): keeps the group, reads the switch live, keeps its sites when
     the group has more than one rank."""
+    _shown_once(("init", contract.source()), lambda: _prove_init_shape(contract, cls))
+    _prove_env_read(contract, engine)
+
+
+def _prove_init_shape(contract: Contract, cls: ast.ClassDef) -> None:
     init = _method(contract, cls, "__init__")
     params = _params(init)
     symbol = f"{CLASS}.__init__"
@@ -297,19 +313,21 @@ def _prove_init(contract: Contract, engine, cls: ast.ClassDef) -> None:
         raise contract.refuse(symbol, f"its sites come from {parsed}, not from {ENGINE_FLAG} read live "
                                       f"(parse_spec_tp_sync(envs.{ENGINE_FLAG}.get()))")
     _function(contract, "parse_spec_tp_sync")
-    if parsed == reads[0]:
-        _prove_env_read(contract, engine)
 
 
 def _prove_env_read(contract: Contract, engine) -> None:
     """`envs.SGLANG_SPEC_TP_SYNC.get()` reads os.environ[SGLANG_SPEC_TP_SYNC] when called."""
+    environ = _other(contract, engine, ENVIRON)
+    _shown_once(("env read", contract.source(), environ.source()), lambda: _prove_env_read_in(contract, environ))
+
+
+def _prove_env_read_in(contract: Contract, environ: Contract) -> None:
     imported = [n for n in _tree(contract.source()).body if isinstance(n, ast.ImportFrom) and n.module == ENVIRON
                 and any(a.name == "envs" and a.asname is None for a in n.names)]
     rebound = [n for n in ast.walk(_tree(contract.source())) if isinstance(n, ast.Name) and n.id == "envs"
                and isinstance(n.ctx, ast.Store)]
     if len(imported) != 1 or rebound:
         raise contract.refuse("envs", f"is not {ENVIRON}.envs, imported once")
-    environ = _other(contract, engine, ENVIRON)
     symbol = f"{ENVIRON}:{ENGINE_FLAG}"
     tree = _tree(environ.source())
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
@@ -533,9 +551,9 @@ def prove_broadcast(contract: Contract, engine, run_with: Optional[str] = None) 
     SGLANG_SPEC_TP_SYNC value the ranks will read (None: unset), for the run-time probe."""
     cls = _plain_class(contract, CLASS)
     _prove_init(contract, engine, cls)
-    _prove_enabled(contract, cls)
-    _prove_sync(contract, cls)
-    _prove_group_broadcast(contract, engine)
+    _shown_once(("enabled, sync", contract.source()), lambda: (_prove_enabled(contract, cls), _prove_sync(contract, cls)))
+    _shown_once(("group broadcast", _other(contract, engine, PARALLEL_STATE).source()),
+                lambda: _prove_group_broadcast(contract, engine))
     callers, _ = _scan(contract, engine)
     if not from_source(contract.module):
         _live(contract, cls)
@@ -585,7 +603,7 @@ def prove_probe(contract: Contract, engine, run_with: Optional[str] = None) -> l
     SpecTpSync's own group has more than one rank; Refused naming what is not shown."""
     cls = _plain_class(contract, CLASS)
     _prove_init(contract, engine, cls)
-    _prove_enabled(contract, cls)
+    _shown_once(("enabled", contract.source()), lambda: _prove_enabled(contract, cls))
     func = _method(contract, cls, "available_memory_gb")
     symbol = f"{CLASS}.available_memory_gb"
     params = _params(func)
@@ -825,8 +843,10 @@ _PROBED: set = set()
 
 
 def reset() -> None:
-    """Forget which engines were run once against their own code (tests)."""
+    """Forget which engines were run once against their own code and which sources were
+    shown (tests)."""
     _PROBED.clear()
+    _SHOWN.clear()
 
 
 def _probe_one(cls, sites, methods, value, expected, torch, part: str) -> Optional[str]:

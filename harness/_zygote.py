@@ -1,0 +1,160 @@
+"""The zygote of harness/zygote.py: import the engine once, then fork one child per request.
+
+    PYTHON harness/_zygote.py SOCKET
+
+A request is one JSON line {"args", "env", "cwd"} with three file descriptors (the child's
+stdin, stdout and stderr); the reply is the child's pid, then its exit status (negative: the
+signal that ended it), each on a line. Single-threaded, so that every fork is of a process
+with one thread.
+"""
+
+import sys
+
+if sys.path and sys.path[0] == __import__("os").path.dirname(__file__):
+    del sys.path[0]  # run by path: its own folder is not the children's first import path
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import socket
+import threading
+import traceback
+import types
+
+# What doctor, the wrapper and the gloo ranks import: each child finds them imported.
+PRELOAD = (
+    "torch", "torch.distributed",
+    "sglang.srt.server_args",
+    "sglang.srt.distributed.parallel_state",
+    "sglang.srt.speculative.spec_tp_sync",  # 0.5.19+
+    "sglang.srt.speculative.dspark_components.dspark_verify",
+    "sglang.srt.speculative.dspark_components.dspark_draft",
+    "sglang.srt.speculative.dspark_components.dspark_draft_sampler",  # 0.5.17+
+    "sglang.srt.speculative.dspark_components.dspark_worker_v2",
+    "sglang.srt.speculative.dflash_worker_v2",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.managers.scheduler",
+)
+PACK = "sglang_dsv41_adapters"
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if not (exc.name and (name == exc.name or name.startswith(exc.name + "."))):
+                raise  # a module of this release that fails to import is an error, not a skip
+    if any(module == PACK or module.startswith(PACK + ".") for module in sys.modules):
+        raise SystemExit("the engine imported the pack while loading: a zygote would hand children its decision")
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def child(request: dict, fds: list) -> None:
+    """Become `python ARGS` in the request's environment, working directory and streams."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    args = request["args"]
+    code = 0
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            sys.path.insert(0, "")
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv = list(args)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)  # from the command's frame on
+        code = 1
+    # What a normal interpreter exit does: wait for non-daemon threads, run atexit, flush.
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _request(conn: socket.socket):
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        more = conn.recv(1 << 16)
+        if not more:
+            raise ConnectionError("the request ended early")
+        data += more
+    return json.loads(data), fds
+
+
+def serve(address: str) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)
+    listener.settimeout(0.05)
+    parent = os.getppid()
+    waiting = {}  # pid -> the connection its status goes back on
+    open(address + ".ready", "w").close()
+    while os.getppid() == parent:  # the test process that started us is gone: so are we
+        try:
+            conn, _ = listener.accept()
+        except (socket.timeout, TimeoutError):
+            conn = None
+        if conn is not None:
+            conn.setblocking(True)
+            request, fds = _request(conn)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                child(request, fds)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            waiting[pid] = conn
+        while waiting:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:
+                    pass  # the test stopped listening
+                conn.close()
+
+
+if __name__ == "__main__":
+    preload()
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threads > 1:
+        print(f"zygote: {threads} threads after loading the engine; forks copy only this one", file=sys.stderr)
+    serve(sys.argv[1])

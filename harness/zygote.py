@@ -1,0 +1,239 @@
+"""Python child processes started from a warm parent that has already imported the engine.
+
+Importing sglang takes 11 to 13 s on the two-core CI machine, and the suite starts well over a
+hundred interpreters that each import it (doctor, the wrapper, gloo ranks). A zygote
+(harness/_zygote.py) imports the engine's heavy modules once, never the pack, and forks one
+child per command; the child takes the command's environment, working directory, arguments
+and standard streams, and runs `python -m MODULE`, `python SCRIPT` or `python -c CODE` as a
+fresh interpreter would (atexit handlers, exit status, a traceback on an uncaught error).
+
+`run` and `popen` stand in for subprocess.run and subprocess.Popen. A zygote serves only
+children whose environment matches its own in everything that shapes imports: any variable
+may differ only if it is read when the command runs (LATE), so a different PYTHONPATH, an
+SGLANG_ variable or an injected Kubernetes variable gets a zygote of its own. Anything the
+zygote cannot serve (another interpreter, interpreter options, DSV41_ZYGOTE=0) runs as a
+plain subprocess.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+from .engines import ROOT
+
+# Read by the pack or the command when it runs, never while the engine imports.
+LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "PYTEST_CURRENT_TEST")
+LATE_PREFIXES = ("DSV41_",)
+KEEP = 6  # warm parents per test process (about 0.9 GB each); the least recently used one goes first
+
+
+def _early(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k not in LATE and not k.startswith(LATE_PREFIXES)}
+
+
+class _Zygote:
+    def __init__(self, interpreter: str, env: dict):
+        self.folder = tempfile.mkdtemp(prefix="zygote-")
+        self.address = os.path.join(self.folder, "socket")
+        self.log = os.path.join(self.folder, "log")
+        server = str(ROOT / "harness" / "_zygote.py")  # by path: the interpreter may not see this checkout
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([interpreter, server, self.address], cwd=ROOT, env=env,
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.ready = False
+
+    def connect(self) -> socket.socket:
+        deadline = time.monotonic() + 300
+        while not self.ready:
+            if self.proc.poll() is not None:
+                with open(self.log, errors="replace") as log:
+                    raise RuntimeError(f"the zygote exited {self.proc.returncode}: {log.read()[-2000:]}")
+            if os.path.exists(self.address + ".ready"):
+                self.ready = True
+            elif time.monotonic() > deadline:
+                raise RuntimeError("the zygote did not start within 300 s")
+            else:
+                time.sleep(0.05)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.address)
+        return conn
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_warm: "collections.OrderedDict[tuple, _Zygote]" = collections.OrderedDict()
+_lock = threading.Lock()
+
+
+def _zygote_for(interpreter: str, env: dict) -> _Zygote:
+    early = _early(env)
+    key = (interpreter, tuple(sorted(early.items())))
+    with _lock:
+        if key in _warm:
+            _warm.move_to_end(key)
+            return _warm[key]
+        while len(_warm) >= KEEP:
+            _warm.popitem(last=False)[1].close()
+        _warm[key] = _Zygote(interpreter, early)
+        return _warm[key]
+
+
+@atexit.register
+def _close_all() -> None:
+    while _warm:
+        _warm.popitem()[1].close()
+
+
+def _as_python(args) -> Optional[list]:
+    """`args` as [interpreter, ...] where this interpreter's build runs it: this one or a venv
+    of it, directly or through a script's #! line (a console script); else None."""
+    args = [str(a) for a in args]
+    if os.environ.get("DSV41_ZYGOTE", "1") == "0" or not args:
+        return None
+    if os.path.realpath(args[0]) != os.path.realpath(sys.executable):
+        try:
+            with open(args[0], "rb") as script:
+                first = script.readline(512)
+        except OSError:
+            return None
+        if not first.startswith(b"#!") or len(first[2:].split()) != 1:
+            return None
+        interpreter = first[2:].strip().decode()
+        if os.path.realpath(interpreter) != os.path.realpath(sys.executable):
+            return None
+        args = [interpreter, *args]
+    if len(args) < 2 or args[1].startswith("-") and not (args[1] in ("-m", "-c") and len(args) > 2):
+        return None
+    return args
+
+
+class Child:
+    """The part of subprocess.Popen the tests use, for a child of a zygote."""
+
+    def __init__(self, args, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None, text=False):
+        self.args = [str(a) for a in args]
+        python = _as_python(args)
+        env = dict(os.environ if env is None else env)
+        self.text = text
+        self.returncode = None
+        self._conn = _zygote_for(python[0], env).connect()
+        theirs = []
+        stdin_fd = os.open(os.devnull, os.O_RDONLY)
+        self._input_w = None
+        if stdin == subprocess.PIPE:
+            os.close(stdin_fd)
+            stdin_fd, self._input_w = os.pipe()
+        theirs.append(stdin_fd)
+        self.stdout = self.stderr = None
+        for name, wanted in (("stdout", stdout), ("stderr", stderr)):
+            if wanted == subprocess.PIPE:
+                read, write = os.pipe()
+                setattr(self, name, os.fdopen(read, "r" if text else "rb"))
+                theirs.append(write)
+            elif wanted == subprocess.STDOUT:
+                theirs.append(theirs[-1])
+            elif wanted == subprocess.DEVNULL:
+                theirs.append(os.open(os.devnull, os.O_WRONLY))
+            else:
+                theirs.append(os.dup(wanted.fileno() if hasattr(wanted, "fileno") else (1 if name == "stdout" else 2)))
+        request = {"args": python[1:], "env": env, "cwd": str(cwd or os.getcwd())}
+        socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], theirs)
+        for fd in set(theirs):
+            os.close(fd)
+        self._reply = self._conn.makefile("r")
+        self.pid = int(self._reply.readline())
+        self._outputs: dict = {}
+        self._readers = [threading.Thread(target=self._drain, args=(name,), daemon=True) for name in ("stdout", "stderr")]
+        for reader in self._readers:
+            reader.start()
+        self._waiter = threading.Thread(target=self._await_status, daemon=True)
+        self._waiter.start()
+
+    def _drain(self, name) -> None:
+        stream = getattr(self, name)
+        self._outputs[name] = stream.read() if stream else None
+
+    def poll(self):
+        return None if self._waiter.is_alive() else self.returncode
+
+    def _await_status(self) -> None:
+        line = self._reply.readline()
+        self.returncode = int(line) if line.strip() else -signal.SIGKILL  # the zygote died with it
+        self._conn.close()
+
+    def wait(self, timeout=None):
+        self._waiter.join(timeout)
+        if self._waiter.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, input=None, timeout=None):
+        if self._input_w is not None:
+            data = input.encode() if isinstance(input, str) else (input or b"")
+            with os.fdopen(self._input_w, "wb") as pipe:
+                pipe.write(data)
+            self._input_w = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.1, deadline - time.monotonic()))
+        for stream in (self.stdout, self.stderr):
+            if stream:
+                stream.close()
+        return self._outputs["stdout"], self._outputs["stderr"]
+
+    def kill(self):
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    terminate = kill
+
+    def send_signal(self, sig):
+        os.kill(self.pid, sig)
+
+
+def popen(args, **kwargs):
+    """subprocess.Popen(args, **kwargs), from a zygote where it can serve the command."""
+    known = {"cwd", "env", "stdin", "stdout", "stderr", "text"}
+    if _as_python(args) is None or set(kwargs) - known:
+        return subprocess.Popen(args, **kwargs)
+    return Child(args, **kwargs)
+
+
+def run(args, *, capture_output=False, timeout=None, input=None, check=False, **kwargs):
+    """subprocess.run(args, ...), from a zygote where it can serve the command."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if input is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    proc = popen(args, **kwargs)
+    try:
+        out, err = proc.communicate(input=input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
