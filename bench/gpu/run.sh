@@ -32,7 +32,7 @@ chmod -R a-w /opt/pack /opt/sglang-dsv41 /opt/sglang-dsv41-sm80
 listing() { find /opt/pack /opt/sglang-dsv41 -printf '%p %s %T@\n' | sort; }
 listing > /tmp/opt-before.txt
 id runner >/dev/null 2>&1 || useradd -m runner
-rm -rf /tmp/run && mkdir -p /tmp/run/bin /tmp/run/out && cp -r tests bench /tmp/run/
+rm -rf /tmp/run && mkdir -p /tmp/run/bin /tmp/run/out && cp -r tests bench harness /tmp/run/
 printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > /tmp/run/bin/python3 && chmod a+rx /tmp/run/bin/python3
 chown -R runner /tmp/run
 as_runner() {  # no nvcc on PATH, no CUDA_HOME, the pack from the read-only /opt/pack only
