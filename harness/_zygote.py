@@ -154,7 +154,9 @@ def serve(address: str) -> None:
 
 if __name__ == "__main__":
     preload()
-    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    if threads > 1:
-        print(f"zygote: {threads} threads after loading the engine; forks copy only this one", file=sys.stderr)
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []
+    if len(tasks) > 1:
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]
+        print(f"zygote: threads after loading the engine: {names}, python's {threading.enumerate()}; "
+              "a fork copies only the main one", file=sys.stderr)
     serve(sys.argv[1])

@@ -33,10 +33,16 @@ from typing import Optional
 
 from .engines import ROOT
 
-# Read by the pack or the command when it runs, never while the engine imports.
-LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "PYTEST_CURRENT_TEST")
+# Read by the pack or the command when it runs, never while the engine imports (the multicast
+# switches of harness.nccl.NO_MULTICAST when NCCL and symmetric memory start).
+LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "PYTEST_CURRENT_TEST",
+        "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 LATE_PREFIXES = ("DSV41_",)
 KEEP = 6  # warm parents per test process (about 0.9 GB each); the least recently used one goes first
+
+
+class Unavailable(RuntimeError):
+    """No warm parent for this environment (its engine does not import)."""
 
 
 def _early(env: dict) -> dict:
@@ -57,9 +63,9 @@ class _Zygote:
     def connect(self) -> socket.socket:
         deadline = time.monotonic() + 300
         while not self.ready:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None:  # the engine does not import here: the command will say why
                 with open(self.log, errors="replace") as log:
-                    raise RuntimeError(f"the zygote exited {self.proc.returncode}: {log.read()[-2000:]}")
+                    raise Unavailable(f"the zygote exited {self.proc.returncode}: {log.read()[-2000:]}")
             if os.path.exists(self.address + ".ready"):
                 self.ready = True
             elif time.monotonic() > deadline:
@@ -215,9 +221,12 @@ class Child:
 def popen(args, **kwargs):
     """subprocess.Popen(args, **kwargs), from a zygote where it can serve the command."""
     known = {"cwd", "env", "stdin", "stdout", "stderr", "text"}
-    if _as_python(args) is None or set(kwargs) - known:
-        return subprocess.Popen(args, **kwargs)
-    return Child(args, **kwargs)
+    if _as_python(args) is not None and not set(kwargs) - known:
+        try:
+            return Child(args, **kwargs)
+        except Unavailable:
+            pass
+    return subprocess.Popen(args, **kwargs)
 
 
 def run(args, *, capture_output=False, timeout=None, input=None, check=False, **kwargs):
