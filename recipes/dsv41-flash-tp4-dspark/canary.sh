@@ -41,7 +41,9 @@ trap 'rm -rf "$WORK"' EXIT
 sample() {
   local text
   text=$(curl -fsS --max-time 10 "$1/metrics") || { echo "canary.sh: cannot read $1/metrics (is the server up?)" >&2; exit 1; }
-  awk -v t="$SECONDS" '
+  # The read's time to the microsecond where bash has it (5.0+): whole seconds would make two servers read
+  # one after the other straddle a second and differ by a second over a short window.
+  awk -v t="${EPOCHREALTIME:-$SECONDS}" '
     /^#/ { next }
     {
       name = $1; sub(/\{.*/, "", name)
@@ -92,7 +94,7 @@ judge() {
       n = 0
       for (key in last) if (key ~ /^tokens /) {
         split(key, k, " "); dt = last[key] - first[key]; dv = last["verify " k[2]] - first["verify " k[2]]
-        if (dv <= 0) { print "FAIL no speculative verify steps counted over " window " s (" k[2] "): no traffic, or not DSpark"; bad = 1; continue }
+        if (dv <= 0) { print "FAIL no speculative verify steps counted over " int(window) " s (" k[2] "): no traffic, or not DSpark"; bad = 1; continue }
         a = dt / dv; tokens += dt; verify += dv; n++
         printf "%s accept length %.3f (rank %s: %d tokens / %d verify steps), floor %.2f (reference 3.51)\n", (a >= floor ? "ok" : "FAIL"), a, k[2], dt, dv, floor
         if (a < floor) bad = 1
