@@ -85,22 +85,15 @@ def _gloo_ranks(world: int, job: tuple, timeout: float, path: list) -> None:
 
     from . import zygote
     from .engines import ROOT
+    from .ranks import finish
 
     env = dict(os.environ, **NO_MULTICAST)
     env["PYTHONPATH"] = os.pathsep.join([*path, str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     procs = [zygote.popen([sys.executable, "-m", "harness.nccl", json.dumps([rank, world, *job])], cwd=ROOT, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in range(world)]
-    deadline = time.monotonic() + timeout
-    try:
-        for rank, proc in enumerate(procs):
-            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode != 0:
-                raise AssertionError(f"rank {rank} of {job[1]} failed (exit {proc.returncode}):\n{err[-4000:]}")
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"{job[1]} did not finish within {timeout}s on {world} ranks (a hang in a collective?)")
-    finally:
-        for proc in procs:
-            proc.kill()
+    for rank, (code, _, err) in enumerate(finish(procs, job[1], timeout)):
+        if code != 0:
+            raise AssertionError(f"rank {rank} of {job[1]} failed (exit {code}):\n{err[-4000:]}")
 
 
 # ---------------------------------------------------------------- the TP group

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import time
 
 from . import zygote
 from .engines import ROOT, engine_env, python
@@ -40,15 +41,7 @@ def run_ranks(world_size: int, target: str, *, release: str = "0.5.23", kwargs: 
             [python(), "-m", "harness._rank_main", target, json.dumps(kwargs or {})],
             cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            outputs.append((proc.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        raise AssertionError(f"{target} did not finish within {timeout}s on {world_size} ranks (a hang in a collective?)")
+    outputs = finish(procs, target, timeout)
     results = []
     for rank, (code, out, err) in enumerate(outputs):
         lines = [line for line in out.splitlines() if line.startswith(RESULT)]
@@ -57,3 +50,20 @@ def run_ranks(world_size: int, target: str, *, release: str = "0.5.23", kwargs: 
         result = json.loads(lines[-1][len(RESULT):])
         results.append((result, err) if with_stderr else result)
     return results
+
+
+def finish(procs, target: str, timeout: float) -> list:
+    """Each rank's (exit status, stdout, stderr), all within `timeout`; a rank still running
+    then fails the test (and every rank is killed)."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append((proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{target} did not finish within {timeout}s on {len(procs)} ranks (a hang in a collective?)")
+    finally:
+        for proc in procs:
+            proc.kill()
+    return outputs
