@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ from sglang_dsv41_adapters.folded_fence import fence_forms
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import log, runtime
 from harness.doctored import doctored_module  # noqa: F401  (used by the test modules)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 VERIFY = folded_fence.VERIFY
 
@@ -96,3 +102,31 @@ def accept_kwargs(verify, *, bs: int, stride: int, folded: bool, seed: int = 0) 
         sampling_info=None, draft_input=None, layout=None,
         prefix_lens=torch.arange(bs, dtype=torch.int64) + 10, draft_tokens=candidates[:, 1:].contiguous(),
     )
+
+
+# --- the fence's kernel file, built for sm_80 (needs nvcc, no GPU) ---------------------------
+
+def cuda_home() -> str | None:
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    return home if os.access(os.path.join(home, "bin", "nvcc"), os.X_OK) else None
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The module's command line, as the Dockerfile runs it (`python3 -P -m ...`)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-P", "-m", "sglang_dsv41_adapters.folded_fence.accept_snapshot", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=280)
+
+
+@pytest.fixture(scope="session")
+def sm80(tmp_path_factory) -> Path:
+    """A real kernel file for sm_80 only (one architecture: the quickest build, ~45 s on 2 cores),
+    built once per session: the kernel tests and the boundary scan's share it."""
+    home = cuda_home()
+    if home is None:
+        pytest.skip("no CUDA compiler here (set CUDA_HOME): the kernel file cannot be built")
+    out = tmp_path_factory.mktemp("kernel") / "sm80" / "dsv41_accept_snapshot.so"
+    done = cli("build", "--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home})
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert out.is_file() and not list(out.parent.glob("*.tmp"))
+    return out

@@ -18,34 +18,10 @@ import pytest
 import torch
 
 from sglang_dsv41_adapters.folded_fence import accept_snapshot
+from tests.conftest import cli  # the `sm80` fixture (a real kernel file) is shared from conftest too
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
-
-
-def cuda_home() -> str | None:
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    return home if os.access(os.path.join(home, "bin", "nvcc"), os.X_OK) else None
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The module's command line, as the Dockerfile runs it (`python3 -P -m ...`)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-P", "-m", "sglang_dsv41_adapters.folded_fence.accept_snapshot", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
-
-
-@pytest.fixture(scope="module")
-def sm80(tmp_path_factory) -> Path:
-    """A real kernel file for sm_80 only (one architecture: the quickest build, ~45 s on 2 cores)."""
-    home = cuda_home()
-    if home is None:
-        pytest.skip("no CUDA compiler here (set CUDA_HOME): the kernel file cannot be built")
-    out = tmp_path_factory.mktemp("kernel") / "sm80" / "dsv41_accept_snapshot.so"
-    done = cli("build", "--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home})
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert out.is_file() and not list(out.parent.glob("*.tmp"))
-    return out
 
 
 # --- without a kernel file ---------------------------------------------------------------

@@ -49,6 +49,203 @@ MODULE = "dsv41_accept_snapshot"              # the library's Python module name
 DEFAULT_PATH = f"/opt/sglang-dsv41/{MODULE}.so"
 DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre parts
 
+# The boundary check's native scan (fence_boundary): host-side C++ over the CPython API, no
+# CUDA, in the bindings' file. `boundary_scan(...)` binds the walk's tables and one epilogue's
+# state and storages, and returns a plain CPython callable `scan(result, epilogue)`: True only
+# where fence_boundary's Python walk would find no route and report nothing; False (unsure)
+# for anything it does not read exactly as that walk does, which then runs the walk.
+_SCAN_SOURCE = r"""
+#include <torch/csrc/autograd/python_variable.h>
+#include <c10/core/impl/COW.h>
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+struct BoundaryScan {
+  PyObject* kinds;    // holders.KINDS: type -> kind (owned references, all of them)
+  PyObject* layouts;  // holders._layouts: type -> (names outside __dict__, has __dict__)
+  PyObject *leaf, *tensor, *sequence, *mapping, *holder;  // the kind strings, compared by identity
+  PyObject *plain_tensor, *parameter;                     // the tensor types read directly
+  PyObject* dict_name;
+  std::vector<PyObject*> watched;   // the epilogue's watched attribute names ...
+  std::vector<uintptr_t> ids;       // ... and the ids of the values they held at the bind
+  Py_ssize_t attributes;            // the number of its attributes then
+  std::vector<uintptr_t> storages;  // its tensors' storage addresses
+  int max_depth;
+  long max_values;
+  ~BoundaryScan() {
+    for (PyObject* o : {kinds, layouts, leaf, tensor, sequence, mapping, holder, plain_tensor, parameter, dict_name}) Py_XDECREF(o);
+    for (PyObject* o : watched) Py_XDECREF(o);
+  }
+};
+
+struct Walk {
+  const BoundaryScan& s;
+  PyObject* epilogue;
+  long left;
+  bool value(PyObject* v, int level);
+  bool holder(PyObject* h, int level);
+  bool dict_values(PyObject* d, int level);
+};
+
+// One value a holder at `level` holds: true where the Python walk skips it or finds it clean.
+bool Walk::value(PyObject* v, int level) {
+  if (v == Py_None) return true;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  if (kind == nullptr) return false;  // a type the walk has not met: it fills KINDS
+  if (kind == s.leaf || v == epilogue) return true;
+  if (--left < 0) return false;  // the walk's cut
+  if (kind == s.tensor) {
+    PyObject* tp = (PyObject*)Py_TYPE(v);
+    if (tp != s.plain_tensor && tp != s.parameter) return false;  // a subclass may answer otherwise
+    const at::Tensor& t = THPVariable_Unpack(v);
+    if (!t.has_storage()) return false;
+    const c10::Storage& storage = t.storage();
+    if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return false;  // data_ptr() would materialize it
+    const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
+    return std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end();
+  }
+  if (level >= s.max_depth) return false;  // too deep: the walk reports it
+  return holder(v, level + 1);
+}
+
+bool Walk::dict_values(PyObject* d, int level) {
+  if (!PyDict_CheckExact(d)) return false;
+  const Py_ssize_t size = PyDict_GET_SIZE(d);
+  Py_ssize_t at = 0;
+  PyObject *key, *v;
+  while (PyDict_Next(d, &at, &key, &v)) {
+    Py_INCREF(v);
+    const bool clean = value(v, level);
+    Py_DECREF(v);
+    if (!clean || PyDict_GET_SIZE(d) != size) return false;
+  }
+  return true;
+}
+
+// holders.items(h), each value looked at: true where the walk would report nothing.
+bool Walk::holder(PyObject* h, int level) {
+  PyTypeObject* tp = Py_TYPE(h);
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
+  if (kind == nullptr) return false;
+  if (kind == s.leaf || kind == s.tensor) return true;  // items() gives nothing
+  if (kind == s.sequence) {  // enumerate(h): the base type's own iterator only
+    const bool list = PyList_Check(h) && tp->tp_iter == PyList_Type.tp_iter;
+    if (!list && !(PyTuple_Check(h) && tp->tp_iter == PyTuple_Type.tp_iter)) return false;
+    for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(h) : PyTuple_GET_SIZE(h)); ++i) {
+      PyObject* v = list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i);
+      Py_INCREF(v);
+      const bool clean = value(v, level);
+      Py_DECREF(v);
+      if (!clean) return false;
+    }
+    return true;
+  }
+  if (kind == s.mapping) return PyDict_CheckExact(h) && dict_values(h, level);  // a subclass may read otherwise
+  if (kind != s.holder) return false;
+  PyObject* layout = PyDict_GetItemWithError(s.layouts, (PyObject*)tp);
+  if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2) return false;
+  PyObject* names = PyTuple_GET_ITEM(layout, 0);
+  if (!PyTuple_CheckExact(names)) return false;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); ++i) {  // getattr(h, name, _UNSET)
+    PyObject* v = PyObject_GetAttr(h, PyTuple_GET_ITEM(names, i));
+    if (v == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return false;
+      PyErr_Clear();
+      continue;
+    }
+    const bool clean = value(v, level);
+    Py_DECREF(v);
+    if (!clean) return false;
+  }
+  if (PyTuple_GET_SIZE(names) != 0 && PyTuple_GET_ITEM(layout, 1) != Py_True) return true;
+  PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
+  if (d == nullptr) return false;
+  const bool clean = dict_values(d, level);
+  Py_DECREF(d);
+  return clean;
+}
+
+// fence_boundary.persistent_storages' test that its map still holds: the same number of
+// attributes, the watched ones bound to the same objects.
+bool same_state(const BoundaryScan& s, PyObject* epilogue) {
+  PyObject* d = PyObject_GetAttr(epilogue, s.dict_name);
+  if (d == nullptr) return false;
+  bool same = PyDict_CheckExact(d) && PyDict_GET_SIZE(d) == s.attributes;
+  for (size_t i = 0; same && i < s.watched.size(); ++i) {
+    PyObject* v = PyDict_GetItemWithError(d, s.watched[i]);
+    if (v == nullptr && PyErr_Occurred()) same = false;
+    else same = reinterpret_cast<uintptr_t>(v ? v : Py_None) == s.ids[i];
+  }
+  Py_DECREF(d);
+  return same;
+}
+
+const char kScanCapsule[] = "dsv41.boundary_scan";
+
+PyObject* scan_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "scan(result, epilogue)");
+    return nullptr;
+  }
+  auto* s = static_cast<BoundaryScan*>(PyCapsule_GetPointer(self, kScanCapsule));
+  if (s == nullptr) return nullptr;
+  bool clean = false;
+  try {
+    Walk walk{*s, args[1], s->max_values};
+    clean = same_state(*s, args[1]) && walk.holder(args[0], 1);
+  } catch (...) {
+    clean = false;
+  }
+  if (PyErr_Occurred()) PyErr_Clear();  // whatever failed: unsure, never raised
+  if (clean) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
+PyMethodDef kScanMethod = {"boundary_scan", (PyCFunction)(void (*)(void))scan_call, METH_FASTCALL,
+                           "scan(result, epilogue) -> True: nothing in result shares the epilogue's storages (exact), "
+                           "False: unsure, run the Python walk"};
+
+void drop_scan(PyObject* capsule) {
+  delete static_cast<BoundaryScan*>(PyCapsule_GetPointer(capsule, kScanCapsule));
+}
+}  // namespace
+
+pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pybind11::tuple kind_names,
+                               pybind11::tuple tensor_types, pybind11::tuple watched, std::vector<uint64_t> ids,
+                               int64_t attributes, std::vector<uint64_t> storages, int64_t max_depth, int64_t max_values) {
+  TORCH_CHECK(kind_names.size() == 5 && tensor_types.size() == 2 && watched.size() == ids.size(), "boundary_scan: bad arguments");
+  auto* s = new BoundaryScan{};
+  auto own = [](pybind11::handle h) { return h.inc_ref().ptr(); };
+  s->kinds = own(kinds);
+  s->layouts = own(layouts);
+  s->leaf = own(kind_names[0]);
+  s->tensor = own(kind_names[1]);
+  s->sequence = own(kind_names[2]);
+  s->mapping = own(kind_names[3]);
+  s->holder = own(kind_names[4]);
+  s->plain_tensor = own(tensor_types[0]);
+  s->parameter = own(tensor_types[1]);
+  s->dict_name = PyUnicode_InternFromString("__dict__");
+  for (auto name : watched) s->watched.push_back(own(name));
+  s->ids.assign(ids.begin(), ids.end());
+  s->attributes = (Py_ssize_t)attributes;
+  s->storages.assign(storages.begin(), storages.end());
+  s->max_depth = (int)max_depth;
+  s->max_values = (long)max_values;
+  PyObject* capsule = PyCapsule_New(s, kScanCapsule, drop_scan);
+  if (capsule == nullptr) {
+    delete s;
+    throw pybind11::error_already_set();
+  }
+  PyObject* scan = PyCFunction_New(&kScanMethod, capsule);
+  Py_DECREF(capsule);
+  if (scan == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(scan);
+}
+"""
+_SCAN_FUNCTIONS = ["boundary_scan"]
+
 _CUDA_SOURCE = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/EmptyTensor.h>
@@ -162,7 +359,7 @@ _CPP_SOURCE = (
 )
 _FUNCTIONS = ["snapshot", "empty_launch", "build_info"]
 # Which sources a kernel file was built from: a file from another pack version is not used.
-SOURCE_HASH = hashlib.sha256((_CUDA_SOURCE + _CPP_SOURCE).encode()).hexdigest()[:16]
+SOURCE_HASH = hashlib.sha256((_CUDA_SOURCE + _CPP_SOURCE + _SCAN_SOURCE).encode()).hexdigest()[:16]
 _ARCH = re.compile(r"(\d+)\.(\d+)([af]?)(\+PTX)?")
 
 _mode: Optional[tuple] = None  # copy_mode()'s answer once probed
@@ -258,6 +455,14 @@ def extension():
     return _kernel
 
 
+def probed_extension():
+    """The loaded kernel library, or None, probed as at the fence's first CUDA result and
+    said in the same one line (fence_boundary's native scan, at its first check on a GPU)."""
+    if _mode is None:
+        _report(copy_mode())
+    return _kernel
+
+
 def use_extension(enabled: bool) -> None:
     """Switch the fast path on or off (tests and benchmarks compare both); off means clones."""
     global _enabled, _snapshot
@@ -349,7 +554,7 @@ def build(out: str, archs: str = DEFAULT_ARCHS, verbose: bool = False) -> str:
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is built without CUDA")
     info = f"archs={archs};source={SOURCE_HASH};torch={torch.__version__}"
-    cpp = _CPP_SOURCE + f'std::string build_info() {{ return "{info}"; }}\n'
+    cpp = _CPP_SOURCE + _SCAN_SOURCE + f'std::string build_info() {{ return "{info}"; }}\n'
     os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # torch's way to name the targets
     # Our own includes only, where this torch allows it (faster; same code either way).
     light = "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters
@@ -359,7 +564,7 @@ def build(out: str, archs: str = DEFAULT_ARCHS, verbose: bool = False) -> str:
     try:
         with tempfile.TemporaryDirectory(prefix="accept-snapshot-") as tmp:
             cpp_extension.load_inline(
-                name=MODULE, cpp_sources=cpp, cuda_sources=_CUDA_SOURCE, functions=_FUNCTIONS,
+                name=MODULE, cpp_sources=cpp, cuda_sources=_CUDA_SOURCE, functions=_FUNCTIONS + _SCAN_FUNCTIONS,
                 extra_cflags=["-O2"], extra_cuda_cflags=["-O2"], build_directory=tmp,
                 with_pytorch_error_handling=False, verbose=verbose, **({"no_implicit_headers": True} if light else {}),
             )

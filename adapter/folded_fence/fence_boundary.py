@@ -15,6 +15,17 @@ handed to its own holder; the result itself, rebuilt, is what the worker returns
 The check never breaks a step: a shape it cannot walk, a holder it cannot rebuild, a
 walk cut by its bounds (MAX_DEPTH, MAX_VALUES) is reported once, never raised.
 
+Two walks, one verdict. The Python walk (`_walk`) copies, reports and learns new types
+(holders.KINDS). Where the fence's kernel library is loaded (a GPU the prebuilt file
+serves), its native scan looks first: one call that answers "clean" only where the
+Python walk would find no route and report nothing (the same kinds, layouts, bounds and
+skips), and "unsure" for anything it does not read exactly as the walk does (a type not
+met yet, a tensor subclass, a list, tuple or dict subclass that reads otherwise, a
+getattr that raises, a changed epilogue); the Python walk then runs as before. So the
+common clean step pays one native call; what is copied and said is the walk's alone.
+Which check serves is said once, at the first check on a GPU; on the CPU the Python walk
+serves and nothing is said.
+
 Cost: one look at each value the result holds and one storage lookup per tensor, every
 step (figures in the README's performance section).
 """
@@ -23,22 +34,49 @@ from __future__ import annotations
 
 import torch
 
-from . import holders
+from . import accept_snapshot, holders
 from ..framework import log, metrics
 
 MAX_DEPTH = 4      # the result's own fields are level 1: a view two objects down is level 3
 MAX_VALUES = 256   # tensors and holders looked at per step, at most (a DSpark decode result: about 15)
 
 _said: set = set()     # what was already reported in this process
-_storages: dict = {}   # id(epilogue) -> (watched names, ids of their values, attribute count, storage map)
+_storages: dict = {}   # id(epilogue) -> (watched names, ids of their values, attribute count, storage map, native scan or None)
 _KINDS, _kind = holders.KINDS, holders.kind
 _LEAF, _TENSOR, _SEQUENCE, _MAPPING = holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING
+_PROBE = object()      # not known yet: found at the first check on a GPU
+_native = _PROBE       # the kernel library whose native scan serves, None: the Python walk alone
 
 
 def reset() -> None:
     """Forget the routes already reported and the epilogues' storage maps (tests)."""
     _said.clear()
     _storages.clear()
+
+
+def use_native(library=_PROBE) -> None:
+    """Which check serves (tests, benchmarks): `library`'s native scan (a loaded kernel
+    library), None for the Python walk alone, or by default what the first check on a GPU finds."""
+    global _native
+    _native = library
+    _storages.clear()
+
+
+def check_mode() -> str:
+    """"native" where the native scan serves the clean steps, else "python"."""
+    return "python" if _library() is None else "native"
+
+
+def _library():
+    """The loaded kernel library, or None. Found at the first check made while CUDA is up
+    (the rank's own device is current then): the copy's mode is probed, if the fence's
+    first CUDA result has not done it, and both are said once."""
+    global _native
+    if _native is _PROBE and torch.cuda.is_initialized():
+        _native = accept_snapshot.probed_extension()
+        say_once("check", f"boundary check: native scan ({_native.__file__})" if _native is not None else
+                          f"boundary check: the Python walk (no kernel library: {accept_snapshot.copy_mode()[1]})")
+    return None if _native is _PROBE else _native
 
 
 def check_results(wrapped, instance, args, kwargs):
@@ -58,28 +96,45 @@ def persistent_storages(epilogue) -> dict:
     """Storage address -> attribute name, for every tensor the epilogue holds. Rebuilt when
     an attribute is added, or one that held a tensor or None is rebound (a buffer allocated
     late, or replaced); its other attributes (per-step state) are not watched."""
+    return _cache(epilogue)[3]
+
+
+def _cache(epilogue) -> tuple:
     state = vars(epilogue)
     cached = _storages.get(id(epilogue))
     if cached is None or cached[2] != len(state) or cached[1] != tuple(map(id, map(state.get, cached[0]))):
         watched = tuple(name for name, value in state.items() if value is None or isinstance(value, torch.Tensor))
+        ids = tuple(map(id, map(state.get, watched)))
         storages = {t.untyped_storage().data_ptr(): name for name, t in state.items()
                     if isinstance(t, torch.Tensor) and t.numel()}
-        cached = _storages[id(epilogue)] = (watched, tuple(map(id, map(state.get, watched))), len(state), storages)
-    return cached[3]
+        library = _library()
+        scan = None if library is None else library.boundary_scan(  # bound once: the same test of this map's freshness
+            holders.KINDS, holders._layouts, (holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING, holders.HOLDER),
+            (torch.Tensor, torch.nn.Parameter), watched, list(ids), len(state), list(storages), MAX_DEPTH, MAX_VALUES)
+        cached = _storages[id(epilogue)] = (watched, ids, len(state), storages, scan)
+    return cached
 
 
 def detach_escapes(result, epilogue) -> tuple[object, list[str]]:
     """(`result` with every tensor that shares storage with the epilogue's buffers copied,
     the routes found as "Holder.field <- Epilogue.buffer"). The result is the same object
-    unless it had to be rebuilt (a tuple, a frozen struct).
+    unless it had to be rebuilt (a tuple, a frozen struct). The native scan first, where
+    it serves: clean means the Python walk would find and say nothing."""
+    scan = (_storages.get(id(epilogue)) or _cache(epilogue))[4]
+    if scan is not None and scan(result, epilogue):
+        return result, []
+    return _walk(result, epilogue)
 
-    Breadth first, so that a long list deep down cannot use up the budget before the
-    result's own fields are looked at: `queue` holds (holder, route, level, index of its
-    own holder in the queue, its key there); the copies are put back deepest first."""
+
+def _walk(result, epilogue) -> tuple[object, list[str]]:
+    """detach_escapes in Python. Breadth first, so that a long list deep down cannot use up
+    the budget before the result's own fields are looked at: `queue` holds (holder, level,
+    index of its own holder in the queue, its key there); routes are spelled out only when
+    said; the copies are put back deepest first."""
     storages, name = persistent_storages(epilogue), type(epilogue).__name__
-    queue, changes, routes, left, at = [(result, type(result).__name__, 1, -1, None)], {}, [], MAX_VALUES, 0
+    queue, changes, routes, left, at = [(result, 1, -1, None)], {}, [], MAX_VALUES, 0
     while at < len(queue) and left >= 0:
-        holder, where, level, _, _ = queue[at]
+        holder, level, _, _ = queue[at]
         try:
             for key, value in holders.items(holder):
                 if value is None:
@@ -89,6 +144,7 @@ def detach_escapes(result, epilogue) -> tuple[object, list[str]]:
                     continue
                 left -= 1
                 if left < 0:
+                    where = _where(queue, at)
                     say_once(("cut", where), f"boundary: stopped at {where} after {MAX_VALUES} values; "
                                              "what lies beyond was not compared with the verify graph's buffers")
                     break
@@ -99,22 +155,23 @@ def detach_escapes(result, epilogue) -> tuple[object, list[str]]:
                         continue
                     if buffer is not None:
                         changes.setdefault(at, {})[key] = value.clone()
-                        routes.append(f"{_route(where, holder, key)} <- {name}.{buffer}")
+                        routes.append(f"{_route(_where(queue, at), holder, key)} <- {name}.{buffer}")
                 elif level < MAX_DEPTH:
-                    queue.append((value, _route(where, holder, key), level + 1, at, key))
+                    queue.append((value, level + 1, at, key))
                 else:
-                    deep = _route(where, holder, key)
+                    deep = _route(_where(queue, at), holder, key)
                     say_once(("deep", deep), f"boundary: {deep} ({type(value).__name__}) lies deeper than {MAX_DEPTH} "
                                              "levels and was not compared with the verify graph's buffers")
         except Exception as exc:  # noqa: BLE001 - a shape that cannot be walked is said, not raised
+            where = _where(queue, at)
             say_once(("walk", where, type(holder)), f"boundary: could not walk {where} ({type(holder).__name__}: "
                                                     f"{type(exc).__name__}: {exc}); the rest of it was not compared")
         at += 1
     for at in reversed(range(len(queue))):  # a holder's index is below its values'
         if at not in changes:
             continue
-        holder, where, _, parent, key = queue[at]
-        fresh = _put(holder, changes[at], where)
+        holder, _, parent, key = queue[at]
+        fresh = _put(holder, changes[at], _where(queue, at))
         if fresh is not None and parent >= 0:
             changes.setdefault(parent, {})[key] = fresh
         elif fresh is not None:
@@ -124,6 +181,12 @@ def detach_escapes(result, epilogue) -> tuple[object, list[str]]:
         say_once(route, f"boundary: {route} shared the verify graph's buffers; copied where it leaves the worker "
                         "(a route the fence's checks missed: please report it)")
     return result, routes
+
+
+def _where(queue: list, at: int) -> str:
+    """The route to the holder at `at` in the walk's queue, from the result's type down."""
+    holder, _, parent, key = queue[at]
+    return type(holder).__name__ if parent < 0 else _route(_where(queue, parent), queue[parent][0], key)
 
 
 def _route(where: str, holder, key) -> str:

@@ -1,0 +1,369 @@
+"""The boundary check's native scan (fence_boundary, the kernel file's `boundary_scan`) on the CPU.
+
+The scan is host code in the fence's kernel library, so the real sm_80 file (conftest's
+`sm80`, built once per session) loads and runs here. It may answer "clean" only where
+fence_boundary's Python walk finds no route and says nothing; anything else is "unsure"
+and the walk runs, copying and reporting as it always did. Each case is handed to both on
+identical objects: the scan first (it changes nothing), then the walk, with no line said
+yet. Where the case holds a view of an epilogue buffer, it must also come out copied on
+that very call through check_results, the wrapper the plan puts on the worker's return.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+import types
+
+import msgspec
+import pytest
+import torch
+
+from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary, holders
+from bench.fence_host_cost import decode_result, dspark
+
+pytestmark = pytest.mark.timeout(300)  # the first test may build the kernel file (conftest's sm80)
+MAX_BS = 16
+
+
+@pytest.fixture(scope="module")
+def kernel(sm80):
+    return accept_snapshot.load(str(sm80))[0]
+
+
+@pytest.fixture
+def epilogue(kernel):
+    """A real 0.5.23 DsparkVerifyEpilogue on the CPU, the native scan serving the boundary check."""
+    fence_boundary.reset()
+    fence_boundary.use_native(kernel)
+    yield dspark(MAX_BS)[1]
+    fence_boundary.use_native()
+    fence_boundary.reset()
+
+
+def verdicts(result, epilogue):
+    """(the native scan's answer, the Python walk's routes, what the walk said), on the same objects."""
+    clean = fence_boundary._cache(epilogue)[4](result, epilogue)
+    fence_boundary._said.clear()
+    _, routes = fence_boundary._walk(result, epilogue)
+    return clean, routes, set(fence_boundary._said)
+
+
+def agree(build, epilogue, fresh_clean: bool = True) -> None:
+    """`build(tensor)` makes a result holding `tensor` somewhere: with a fresh tensor the scan
+    says clean (where `fresh_clean`) and the walk nothing; with a view of a buffer the scan is
+    unsure and the walk finds it. The walk meets the types first, as the first step would."""
+    fence_boundary._walk(build(torch.zeros(3)), epilogue)  # holders.KINDS learns the types
+    clean, routes, said = verdicts(build(torch.zeros(3)), epilogue)
+    assert not clean or (routes, said) == ([], set()), (routes, said)
+    assert clean is fresh_clean, (routes, said)
+    clean, routes, said = verdicts(build(epilogue.commit_lens_buf[:4]), epilogue)
+    assert clean is False and routes and all(r.endswith("<- DsparkVerifyEpilogue.commit_lens_buf") for r in routes)
+
+
+def through_worker(result, epilogue):
+    """check_results as the plan wraps DSparkWorkerV2.forward_batch_generation."""
+    worker = types.SimpleNamespace(_verify_epilogue=epilogue)
+    return fence_boundary.check_results(lambda _worker, batch: result, worker, (worker, None), {})
+
+
+def shares(result, epilogue, depth: int = 8) -> list:
+    """The tensors `result` reaches that share the epilogue's storages (the test's own walk)."""
+    storages = {t.untyped_storage().data_ptr() for t in vars(epilogue).values() if isinstance(t, torch.Tensor) and t.numel()}
+    if isinstance(result, torch.Tensor):
+        return [result] if result.untyped_storage().data_ptr() in storages else []
+    if depth == 0 or result is epilogue or holders.kind(type(result)) == holders.LEAF:
+        return []
+    return [t for _, value in holders.items(result) if value is not None for t in shares(value, epilogue, depth - 1)]
+
+
+# --- holders of every kind, nested ----------------------------------------------------------
+
+class Slotted:
+    __slots__ = ("a", "b")
+
+    def __init__(self, a, b=None):
+        self.a, self.b = a, b
+
+
+class Struct(msgspec.Struct):
+    a: object
+    b: object = None
+
+
+class Frozen(msgspec.Struct, frozen=True):
+    a: object
+
+
+@dataclasses.dataclass
+class Data:
+    a: object
+    b: object = None
+
+
+@dataclasses.dataclass
+class DataSub(Data):  # a subclass adds a field: the value sits there
+    extra: object = None
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+WRAP = {
+    "list": lambda v: [1, None, v],
+    "tuple": lambda v: ("x", v),
+    "dict": lambda v: {"k": v, "none": None},
+    "namedtuple": lambda v: Pair(2, v),
+    "slotted": lambda v: Slotted(v),
+    "struct": lambda v: Struct(v),
+    "frozen_struct": lambda v: Frozen(v),
+    "dataclass": lambda v: Data(v, b=3),
+    "subclass_field": lambda v: DataSub(None, extra=v),
+    "namespace": lambda v: types.SimpleNamespace(v=v, n=1.5),
+}
+
+
+def nested(kinds, value):
+    for kind in reversed(kinds):
+        value = WRAP[kind](value)
+    return value
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", list(WRAP))
+def test_a_view_at_each_depth_in_each_holder(epilogue, kind, depth):
+    build = lambda v: nested([kind] * depth, v)  # noqa: E731
+    agree(build, epilogue)
+    result = through_worker(build(epilogue.commit_lens_buf[:4]), epilogue)  # caught and copied on this call
+    assert shares(result, epilogue) == [] and type(result) is type(build(None))
+
+
+@pytest.mark.parametrize("kinds", [["dict", "struct", "slotted", "list"], ["dataclass", "tuple", "namespace", "frozen_struct"],
+                                   ["subclass_field", "namedtuple", "dict", "dataclass"]])
+def test_a_view_four_holders_down_in_mixed_holders(epilogue, kinds):
+    agree(lambda v: nested(kinds, v), epilogue)
+
+
+def test_the_real_decode_result_is_clean_with_and_without_top_logprobs(epilogue):
+    for logprobs in (False, True):  # bs 2: 2 x 8 top-logprob views, well within MAX_VALUES
+        fence_boundary._walk(decode_result(2, logprobs), epilogue)
+        result = decode_result(2, logprobs)
+        assert verdicts(result, epilogue) == (True, [], set())
+        for field in ("next_token_ids", "accept_lens"):  # a view planted in the result, then in what it holds
+            result = decode_result(2, logprobs)
+            setattr(result, field, epilogue.commit_lens_buf[:2])
+            assert verdicts(result, epilogue)[:2] == (False, [f"GenerationBatchResult.{field} <- DsparkVerifyEpilogue.commit_lens_buf"])
+        result = decode_result(2, logprobs)
+        result.next_draft_input.bonus_tokens = epilogue.bonus_buf[:2]
+        assert verdicts(result, epilogue)[:2] == (False, ["GenerationBatchResult.next_draft_input.bonus_tokens <- DsparkVerifyEpilogue.bonus_buf"])
+        if logprobs:
+            result = decode_result(2, logprobs)
+            result.logits_output.next_token_top_logprobs_val[3] = epilogue.out_tokens_buf[1]
+            assert verdicts(result, epilogue)[:2] == (False, ["GenerationBatchResult.logits_output.next_token_top_logprobs_val[] <- DsparkVerifyEpilogue.out_tokens_buf"])
+
+
+def test_a_result_past_the_walks_budget_is_unsure(epilogue):
+    """MAX_VALUES values are walked; one more and the walk stops and says so: so must the scan."""
+    fresh = [torch.zeros(1) for _ in range(fence_boundary.MAX_VALUES + 1)]
+    assert verdicts(fresh[:-1], epilogue) == (True, [], set())
+    clean, routes, said = verdicts(fresh, epilogue)
+    assert (clean, routes) == (False, []) and {key[0] for key in said} == {"cut"}
+    leaves = [None, 1, "s"] * 300 + fresh[:-1]  # leaves and None are not counted
+    assert verdicts(leaves, epilogue) == (True, [], set())
+    result = decode_result(64, logprobs=True)  # 2 x 256 top-logprob views: past the budget
+    fence_boundary._walk(decode_result(64, logprobs=True), epilogue)
+    clean, routes, said = verdicts(result, epilogue)
+    assert (clean, routes) == (False, []) and {key[0] for key in said} == {"cut"}
+
+
+def test_a_holder_five_levels_down_is_unsure(epilogue):
+    deep = nested(["namespace"] * 4, types.SimpleNamespace())  # an empty holder at level 5
+    clean, routes, said = verdicts(deep, epilogue)
+    assert (clean, routes) == (False, []) and {key[0] for key in said} == {"deep"}
+    assert verdicts(nested(["namespace"] * 4, 7), epilogue) == (True, [], set())  # a leaf there: nothing to say
+    clean, routes, said = verdicts(nested(["list"] * 5, epilogue.commit_lens_buf[:4]), epilogue)
+    assert (clean, routes) == (False, []) and {key[0] for key in said} == {"deep"}  # out of the walk's reach: said
+
+
+def test_a_type_not_met_yet_is_unsure_until_the_walk_has_met_it(epilogue):
+    Fresh = type("Fresh", (), {})  # a new type: not in holders.KINDS
+    result = Data(Fresh())
+    result.a.t = torch.zeros(2)
+    assert type(result.a) not in holders.KINDS
+    assert verdicts(result, epilogue) == (False, [], set())  # the walk learns it, says nothing
+    assert verdicts(result, epilogue) == (True, [], set())
+
+
+def test_tensor_subclasses_are_left_to_the_walk_parameters_read(epilogue):
+    class Marked(torch.Tensor):
+        pass
+
+    agree(lambda v: Data(v.as_subclass(Marked)), epilogue, fresh_clean=False)
+    fresh, view = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(epilogue.bonus_buf[:2], requires_grad=False)
+    fence_boundary._walk(Data(fresh), epilogue)  # the walk meets the type
+    assert verdicts(Data(fresh), epilogue) == (True, [], set())
+    assert verdicts(Data(view), epilogue)[:2] == (False, ["Data.a <- DsparkVerifyEpilogue.bonus_buf"])
+
+
+class ListIter(list):
+    def __iter__(self):  # reads otherwise than the scan would
+        return iter([])
+
+
+class PlainList(list):
+    pass
+
+
+class MyDict(dict):
+    pass
+
+
+def test_sequence_and_mapping_subclasses(epilogue):
+    agree(lambda v: Data(PlainList([v])), epilogue)  # list's own iterator: read as a list
+    agree(lambda v: Data(MyDict(k=v)), epilogue, fresh_clean=False)  # a dict subclass: the walk's
+    fence_boundary._walk(Data(ListIter([torch.zeros(1)])), epilogue)
+    # the walk reads what __iter__ gives (nothing): it finds no route, the scan is unsure
+    assert verdicts(Data(ListIter([epilogue.commit_lens_buf])), epilogue) == (False, [], set())
+
+
+class Raises(Slotted):
+    __slots__ = ()
+
+    def __init__(self):
+        self.b = None
+
+    @property
+    def a(self):
+        raise RuntimeError("not now")
+
+
+class Unset(Slotted):
+    __slots__ = ()
+
+    def __init__(self, b):
+        self.b = b  # `a` never set: getattr raises AttributeError, the walk skips it
+
+
+class Unreadable:
+    @property
+    def __dict__(self):
+        raise RuntimeError("no fields to read")
+
+
+def test_a_getattr_that_raises_is_unsure_an_unset_slot_is_skipped(epilogue):
+    for holder in (Raises(), Unreadable()):
+        clean, routes, said = verdicts(Data(holder), epilogue)
+        assert (clean, routes) == (False, []) and {key[0] for key in said} == {"walk"}
+    agree(lambda v: Data(Unset(v)), epilogue)
+
+
+def test_the_epilogue_and_storage_less_tensors(epilogue):
+    fence_boundary._walk([epilogue, {"e": epilogue}], epilogue)  # the walk meets the types (the epilogue's is looked up before it is skipped)
+    assert verdicts([epilogue, {"e": epilogue}], epilogue) == (True, [], set())  # skipped by both
+    sparse = Data(torch.zeros(3).to_sparse())  # no storage: nothing to compare, the walk says nothing
+    assert verdicts(sparse, epilogue) == (False, [], set())
+
+
+def test_a_rebound_buffer_is_seen_on_the_step_it_appears(epilogue):
+    """A buffer the epilogue allocates late or replaces: the scan's bound state is stale, so
+    it is unsure, and the walk (rebuilding the map) copies a view of the new buffer."""
+    agree(lambda v: Data(v), epilogue)
+    epilogue._static_step_state = (4, object())  # per-step state: not watched, the scan still serves
+    assert verdicts(Data(torch.zeros(2)), epilogue) == (True, [], set())
+    epilogue.commit_lens_buf = torch.zeros_like(epilogue.commit_lens_buf)
+    result = through_worker(Data(epilogue.commit_lens_buf[:3]), epilogue)
+    assert shares(result, epilogue) == []
+    assert verdicts(Data(torch.zeros(2)), epilogue) == (True, [], set())  # rebound: serving again
+    epilogue.late_buf = torch.zeros(5)  # an attribute added
+    assert fence_boundary._storages[id(epilogue)][4](Data(torch.zeros(1)), epilogue) is False
+    assert shares(through_worker(Data(epilogue.late_buf[1:]), epilogue), epilogue) == []
+
+
+def test_check_results_uses_the_scan_on_clean_steps_and_copies_a_planted_view_on_its_step(epilogue, monkeypatch):
+    walks = []
+    walk = fence_boundary._walk
+    monkeypatch.setattr(fence_boundary, "_walk", lambda result, e: walks.append(result) or walk(result, e))
+    through_worker(decode_result(4), epilogue)  # the first step: the walk meets the types, if no test did
+    first = len(walks)
+    for _ in range(3):
+        result = decode_result(4)
+        assert through_worker(result, epilogue) is result
+    assert len(walks) == first, "the native scan did not serve the clean steps"
+    planted = decode_result(4)
+    planted.next_draft_input.new_seq_lens = epilogue.new_seq_lens_buf[:4]
+    planted.accept_lens = epilogue.commit_lens_buf[:4]
+    epilogue.new_seq_lens_buf[:4] = torch.arange(4)
+    result = through_worker(planted, epilogue)
+    assert len(walks) == first + 1 and shares(result, epilogue) == []
+    epilogue.new_seq_lens_buf[:4] = 9  # the next step rewrites the buffers
+    assert result.next_draft_input.new_seq_lens.tolist() == [0, 1, 2, 3]
+    fence_boundary.use_native(None)  # the Python walk forced (benchmarks): every step walks
+    through_worker(decode_result(4), epilogue)
+    assert len(walks) == first + 2 and fence_boundary.check_mode() == "python"
+
+
+def test_random_shapes_agree(epilogue):
+    """Random nests of every holder kind, leaves, None, fresh tensors and views."""
+    rng = random.Random(7)
+    views = [epilogue.commit_lens_buf[:2], epilogue.bonus_buf[1:], epilogue.out_tokens_buf[0]]
+
+    def make(level, planted):
+        if level > 6 or rng.random() < 0.3:
+            return rng.choice([None, 3, "s", 2.5, torch.zeros(2), torch.ones(1, 2)] + (views if planted else []))
+        return WRAP[rng.choice(list(WRAP))](make(level + 1, planted)) if rng.random() < 0.6 else \
+            [make(level + 1, planted) for _ in range(rng.randint(0, 4))]
+
+    seen = collections.Counter()
+    for case in range(400):
+        planted = case % 2 == 1
+        state = rng.getstate()
+        fence_boundary._walk(make(1, planted), epilogue)
+        rng.setstate(state)
+        result = make(1, planted)
+        clean, routes, said = verdicts(result, epilogue)
+        assert not clean or (routes, said) == ([], set()), (case, routes, said)
+        seen[clean, bool(routes)] += 1
+    assert seen[True, False] > 100 and seen[False, True] > 30, seen  # both answers were exercised
+
+
+def test_the_first_check_on_a_gpu_says_which_check_serves(sm80, monkeypatch, capsys):
+    """What a rank does at its first step: CUDA is up, the kernel file is probed (the copy's
+    line, if the fence's first CUDA result has not said it) and the check says which serves."""
+    monkeypatch.setenv(accept_snapshot.PATH_ENV, str(sm80))
+    monkeypatch.setattr(accept_snapshot, "_mode", None)
+    monkeypatch.setattr(accept_snapshot, "_kernel", None)
+    monkeypatch.setattr(accept_snapshot, "_snapshot", None)
+    monkeypatch.setattr(accept_snapshot, "_capability", lambda: (8, 0))  # this file serves an A100
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    try:
+        epilogue = dspark(MAX_BS)[1]
+        for _ in range(3):
+            through_worker(decode_result(4), epilogue)
+        assert fence_boundary.check_mode() == "native"
+        lines = [line for line in capsys.readouterr().err.splitlines() if "folded_fence" in line]
+        assert len(lines) == 2 and lines[0].endswith(f"folded_fence copy: one-launch - {sm80}"), lines
+        assert lines[1].endswith(f"folded_fence boundary check: native scan ({sm80})"), lines
+        monkeypatch.setenv(accept_snapshot.PATH_ENV, str(sm80.parent / "missing.so"))
+        monkeypatch.setattr(accept_snapshot, "_mode", None)
+        monkeypatch.setattr(accept_snapshot, "_kernel", None)
+        fence_boundary.reset()
+        fence_boundary.use_native()
+        assert fence_boundary.check_mode() == "python"
+        assert capsys.readouterr().err.splitlines()[-1].endswith(
+            f"folded_fence boundary check: the Python walk (no kernel library: kernel not built ({sm80.parent / 'missing.so'} missing))")
+    finally:
+        fence_boundary.use_native()
+        fence_boundary.reset()
+
+
+def test_on_the_cpu_the_walk_serves_and_nothing_is_said(capsys):
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    epilogue = dspark(MAX_BS)[1]
+    result = Data(epilogue.commit_lens_buf[:2])
+    assert fence_boundary.check_mode() == "python" and fence_boundary._cache(epilogue)[4] is None
+    assert fence_boundary.detach_escapes(result, epilogue)[1] == ["Data.a <- DsparkVerifyEpilogue.commit_lens_buf"]
+    assert "boundary check:" not in capsys.readouterr().err
+    fence_boundary.reset()
