@@ -20,8 +20,11 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
   fence_clones     the cheap form with the fallback copy (plain clones)
   wrapped_noop     a wrapt wrapper that only calls through (wrapt's own cost)
   boundary         unfenced call + the fence's boundary check on a worker result of fresh
-                   tensors (fence_boundary.detach_escapes on the real GenerationBatchResult,
-                   LogitsProcessorOutput and DFlashDraftInputV2: what every step pays for it)
+                   tensors, as the runtime runs it: a worker method wrapped (wrapt) with
+                   fence_boundary.check_results, returning the real GenerationBatchResult,
+                   LogitsProcessorOutput and DFlashDraftInputV2 (what every step pays for it);
+                   the native scan serves where the kernel file loaded (fence_boundary.check_mode)
+  boundary_python  the same with the Python walk forced (fence_boundary.use_native(None)): before the scan
   fence_boundary   fence + boundary check: the fence's whole cost per verify step
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
@@ -49,6 +52,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import wrapt  # noqa: E402
 
 from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
 from sglang_dsv41_adapters import folded_fence
@@ -112,6 +116,7 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
         runtime.revert()
         setattr(TVE, ORIGINAL, original)
         accept_snapshot.use_extension(True)
+        fence_boundary.use_native()  # what the runtime finds: the native scan where the kernel file loaded
 
     def wrapped(wrapper):
         def setup():
@@ -130,10 +135,26 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
         outs = executor.accept_and_finalize(**kw)
         return verify.AcceptOuts(**{name: getattr(outs, name).clone() for name in FIELDS})
 
+    class Worker:  # DSparkWorkerV2's return, wrapped as the plan wraps forward_batch_generation
+        _verify_epilogue = epilogue
+
+        def forward_batch_generation(self, batch):
+            return result
+
+    Worker.forward_batch_generation = wrapt.FunctionWrapper(vars(Worker)["forward_batch_generation"],
+                                                            fence_boundary.check_results)
+    worker = Worker()
+
     def with_boundary():
         outs = executor.accept_and_finalize(**kw)
-        fence_boundary.detach_escapes(result, epilogue)
+        worker.forward_batch_generation(None)
         return outs
+
+    def walked(setup):
+        def python_walk():
+            setup()
+            fence_boundary.use_native(None)
+        return python_walk
 
     call = lambda: executor.accept_and_finalize(**kw)  # noqa: E731
     table = {
@@ -145,6 +166,7 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
         "fence": (fenced(True), call),
         "fence_clones": (fenced(False), call),
         "boundary": (unpatched, with_boundary),
+        "boundary_python": (walked(unpatched), with_boundary),
         "fence_boundary": (fenced(True), with_boundary),
     }
     if ext is not None:
@@ -164,6 +186,9 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
     wrapper = next(s.patch.wrapper for s in patching.applied() if s.name == ORIGINAL)
     form = getattr(wrapper, "func", wrapper)
     print(f"bs={bs}: the fence on accept_and_finalize is {getattr(form, '__name__', type(form).__name__)}", flush=True)
+    # The boundary rows check fresh tensors: nothing to copy, and the check that serves them is said.
+    assert worker.forward_batch_generation(None) is result and fence_boundary.detach_escapes(result, epilogue)[1] == []
+    print(f"bs={bs}: the boundary check is {fence_boundary.check_mode()}", flush=True)
     unpatched()
     return table
 
@@ -230,6 +255,7 @@ def main(argv=None) -> int:
         runtime.revert()
         setattr(verify.TargetVerifyExecutor, ORIGINAL, original)
         accept_snapshot.use_extension(True)
+        fence_boundary.use_native()
         results[bs] = {
             name: {
                 "median_us": statistics.median(values),
@@ -259,7 +285,7 @@ def main(argv=None) -> int:
     print(f"\nfence cost: host us per call, median of {args.reps} x {args.calls} calls "
           f"({torch.cuda.get_device_name()}, torch {torch.__version__}); "
           f"'+' = over unfenced, 'L' = in units of {yard}")
-    header = f"{'variant':<14}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
+    header = f"{'variant':<16}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
     print(header)
     for name in names:
         cells = []
@@ -270,9 +296,9 @@ def main(argv=None) -> int:
             cells.append(f"{cell:>26}")
         c = results[args.bs[0]][name]
         launch_txt = f"{c['launch_calls']}/{c['device_kernels']}" if "launch_calls" in c else "-"
-        print(f"{name:<14}" + "".join(cells) + f"{launch_txt:>10}")
+        print(f"{name:<16}" + "".join(cells) + f"{launch_txt:>10}")
     print("launches = CUDA runtime launch/copy calls / kernels on the device, per call")
-    print(f"accept_snapshot.copy_mode(): {copy_mode} (first call {load_s:.2f} s)")
+    print(f"accept_snapshot.copy_mode(): {copy_mode} (first call {load_s:.2f} s); boundary check: {fence_boundary.check_mode()}")
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -282,6 +308,7 @@ def main(argv=None) -> int:
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
             "calls": args.calls, "reps": args.reps, "stride": STRIDE, "yardstick": yard,
             "copy_mode": list(copy_mode), "copy_mode_first_call_s": round(load_s, 3),
+            "boundary_check": fence_boundary.check_mode(),
             "results": {str(bs): row for bs, row in results.items()},
             "over_unfenced": {str(bs): row for bs, row in summary.items()},
         }, indent=1))

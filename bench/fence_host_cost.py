@@ -1,9 +1,13 @@
 """The fence's host (Python) cost per verify step on the CPU, before and after a change, in one run.
 
-    .venv/bin/python bench/fence_host_cost.py [--before REV] [--bs 8 64 256] [--calls 20000] [--reps 5]
+    .venv/bin/python bench/fence_host_cost.py [--before REV] [--kernel SO] [--bs 8 64 256] [--calls 20000] [--reps 5]
 
 `before` is the pack's adapter/ module as of REV (read with `git show`, or from a folder
-holding that tree, loaded beside the tree's), `after` the working tree's. Variants, interleaved within each repetition:
+holding that tree, loaded beside the tree's), `after` the working tree's Python walk,
+`native` the working tree's check with the native scan of the fence's kernel file (--kernel,
+else $SGLANG_ADAPTERS_SNAPSHOT_KERNEL; any arch: the scan is host code; its rows are left out,
+with the reason printed, where the file is missing or does not load). Variants, interleaved
+within each repetition:
 
   boundary_*            fence_boundary.detach_escapes on a realistic DSpark decode result: the
                         real sglang GenerationBatchResult (managers.utils) holding a
@@ -27,6 +31,7 @@ move between runs on a shared machine: compare within one run.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import subprocess
@@ -99,6 +104,27 @@ def folded_kwargs(bs: int) -> dict:
                 draft_input=None, layout=None, prefix_lens=torch.zeros(bs, dtype=torch.int64), draft_tokens=ids[:, 1:])
 
 
+def own_copy(module):
+    """A second instance of a pack module (its own caches and switches), beside the first."""
+    copy = types.ModuleType(f"{module.__name__}_copy")
+    copy.__package__ = module.__package__
+    exec(compile(pathlib.Path(module.__file__).read_text(), module.__file__, "exec"), copy.__dict__)
+    return copy
+
+
+def native_boundary(path):
+    """fence_boundary with the native scan of the kernel file at `path`, or (None, why not)."""
+    if not path:
+        return None, f"no kernel file given (--kernel or ${accept_snapshot.PATH_ENV})"
+    try:
+        kernel = accept_snapshot.load(path)[0]
+    except Exception as exc:  # noqa: BLE001 - the rows are left out, the reason printed
+        return None, f"{path} does not load: {type(exc).__name__}: {exc}"
+    module = own_copy(fence_boundary)
+    module.use_native(kernel)
+    return module, path
+
+
 def boundary_variants(boundaries: dict, bs: int, max_bs: int) -> dict:
     table = {}
     for label, module in boundaries.items():
@@ -143,17 +169,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default="dcfd6ab",
                         help="the revision (or a folder holding that tree) whose adapter/ modules are 'before'")
+    parser.add_argument("--kernel", default=os.environ.get(accept_snapshot.PATH_ENV),
+                        help=f"the fence's kernel file, for the native scan's rows (default ${accept_snapshot.PATH_ENV})")
     parser.add_argument("--bs", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     # REV's flat layout (before the pack's folders, up to b108675): its modules sit at adapter/<name>.py
     boundaries = {"before": module_at(args.before, "adapter/fence_boundary.py"), "after": fence_boundary}
+    fence_boundary.use_native(None)  # `after`: the working tree's Python walk
+    native, source = native_boundary(args.kernel)
+    if native is not None:
+        boundaries["native"] = native
     before_fence = module_at(args.before, "adapter/folded_fence.py")
     copy = accept_snapshot.snapshot
     accept_snapshot.snapshot = lambda views: views  # the cheap form's copy stubbed: its Python path alone
     print(f"fence host cost: us per call, median of {args.reps} x {args.calls} calls (CPU, torch {torch.__version__}); "
-          f"before = {args.before}, after = the working tree", flush=True)
+          f"before = {args.before}, after = the working tree's Python walk, native = its native scan "
+          + (f"({source})" if native is not None else f"LEFT OUT: {source}"), flush=True)
     rows = {}
     try:
         for bs in args.bs:

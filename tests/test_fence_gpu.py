@@ -251,14 +251,17 @@ ESCAPE = (
 
 
 @pytest.mark.parametrize("bs", BATCH_SIZES)
-def test_boundary_keeps_step_n_for_a_route_the_fence_does_not_know(gpu, bs, tmp_path):
+def test_boundary_keeps_step_n_for_a_route_the_fence_does_not_know(gpu, bs, tmp_path, monkeypatch):
     """The fence on, then its known routes switched off: only the check where results leave
     the worker (the wrapper the plan puts on DSparkWorkerV2.forward_batch_generation) is in
     place. The results come from an escape route added in a doctored copy of dspark_verify;
-    the host must still read step N in every field."""
+    the host must still read step N in every field. Before each, a clean step (the real
+    decode result, fresh tensors) leaves the worker too: the kernel file's native scan must
+    serve it (no Python walk), and must leave each escaping step to the walk, which copies."""
     from sglang.srt.managers.utils import GenerationBatchResult
     from sglang_dsv41_adapters.folded_fence import fence_boundary
     from sglang_dsv41_adapters.framework import patching
+    from bench.fence_host_cost import decode_result
     from harness.doctored import doctored_module
 
     doctored = doctored_module(folded_fence.VERIFY, ESCAPE, directory=tmp_path)
@@ -270,8 +273,16 @@ def test_boundary_keeps_step_n_for_a_route_the_fence_does_not_know(gpu, bs, tmp_
         if saved.name != "forward_batch_generation":
             patching.revert(saved.owner, saved.name)  # the known routes off
     boundary = next(s.patch.wrapper for s in patching.applied() if s.name == "forward_batch_generation")
+    fence_boundary.use_native()  # as a rank finds it: probed at its first check on this GPU
+    walked, handed = [], []  # the results the Python walk saw; the steps (one clean, one escaping) handed out
+    walk = fence_boundary._walk
+    monkeypatch.setattr(fence_boundary, "_walk", lambda result, epilogue: walked.append(type(result)) or walk(result, epilogue))
 
     def through_boundary(gpu, kwargs):
+        clean = decode_result(kwargs["bs"], device=gpu.device)
+        assert boundary(lambda _worker, bs: clean, worker, (worker, kwargs["bs"]), {}) is clean
+        handed.append(kwargs["bs"])
+
         def worker_step(_worker, bs):  # the worker's return, built from the escaping views
             outs = executor.peek_accept(bs)
             return GenerationBatchResult(
@@ -285,11 +296,18 @@ def test_boundary_keeps_step_n_for_a_route_the_fence_does_not_know(gpu, bs, tmp_
 
     try:
         assert boundary is fence_boundary.check_results
-        race(gpu, bs, 6_000, through_boundary)  # warm-up: first allocations of each size
+        race(gpu, bs, 6_000, through_boundary)  # warm-up: first allocations of each size, the walk meets the types
+        assert fence_boundary.check_mode() == "native", \
+            f"the boundary's native scan does not serve on this machine: {accept_snapshot.copy_mode()}"
+        walked.clear()
+        handed.clear()
         for trial in range(TRIALS["clones"]):
             host, steps, stalled = race(gpu, bs, 2000 + trial, through_boundary)
             _require_stall(stalled, bs)
             got = steps[0].matches(host)
             assert got == {name: True for name in FIELDS}, f"bs={bs} trial {trial}: the boundary let a later step through: {got}"
+        # every escaping step was walked (the scan was unsure), no clean step was (the scan served)
+        assert len(handed) == TRIALS["clones"] and walked == [GenerationBatchResult] * len(handed), walked
     finally:
         runtime.revert()
+        fence_boundary.use_native()
