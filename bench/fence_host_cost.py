@@ -20,6 +20,7 @@ within each repetition:
   boundary_*_logprobs   a result that also holds top-logprob lists (2 x bs x stride tensors),
                         as compute_spec_logprobs leaves them when a request asks for them
   cheap_*               the fence's cheap form on the real folded accept_and_finalize, trusted,
+                        (cheap_before only for a REV with the flat adapter/folded_fence.py, up to b108675)
                         with the copy itself stubbed out: the Python path only (the copy is
                         one kernel launch on a GPU, measured by bench/fence_cost.py)
   unfenced              the engine's folded accept_and_finalize, called directly
@@ -59,8 +60,10 @@ def module_at(rev: str, path: str):
         text = (pathlib.Path(rev) / path).read_text()
     else:
         text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    module = types.ModuleType(f"adapter._{pathlib.Path(path).stem}_before")
-    module.__package__ = "adapter"
+    # adapter/ is the package sglang_dsv41_adapters: a module in one of its folders imports its siblings there
+    package = ".".join(("sglang_dsv41_adapters",) + pathlib.Path(path).parent.parts[1:])
+    module = types.ModuleType(f"{package}._{pathlib.Path(path).stem}_before")
+    module.__package__ = package
     exec(compile(text, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
@@ -141,6 +144,20 @@ def boundary_variants(boundaries: dict, bs: int, max_bs: int) -> dict:
     return table
 
 
+def exists_at(rev: str, path: str) -> bool:
+    if pathlib.Path(rev).is_dir():
+        return (pathlib.Path(rev) / path).is_file()
+    return subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=ROOT, capture_output=True).returncode == 0
+
+
+def cheap_before_module(rev: str):
+    """REV's flat adapter/folded_fence.py (its cheap form was a function then), or (None, why not)."""
+    try:
+        return module_at(rev, "adapter/folded_fence.py"), None
+    except Exception as exc:  # noqa: BLE001 - the row is left out, the reason printed
+        return None, f"{rev}:adapter/folded_fence.py does not load beside this tree ({type(exc).__name__}: {exc})"
+
+
 def cheap_variants(before, bs: int, max_bs: int) -> dict:
     """The cheap form before (a function of the old folded_fence) and after (the CheapForm the
     runtime applies, trusted after its proofs), each around the engine's bound method."""
@@ -149,12 +166,12 @@ def cheap_variants(before, bs: int, max_bs: int) -> dict:
     decision = runtime.decide({folded_fence.FLAG: "1"}, names=(folded_fence.NAME,))
     form = next(p.wrapper for p in decision.plans[folded_fence.NAME].patches if p.name == "accept_and_finalize")
     buffers = tuple(f"{name}_buf" for name in folded_fence.FIELDS)
-    old = before._folded_snapshot_for(True, buffers, verify.AcceptOuts)
+    old = before._folded_snapshot_for(True, buffers, verify.AcceptOuts) if before is not None else None
     for _ in range(3):
         form(wrapped, executor, (), kwargs)  # the proofs
     assert bs in form.trusted, "the cheap form was not trusted after its proofs"
     return {"unfenced": lambda: wrapped(**kwargs),
-            "cheap_before": lambda: old(wrapped, executor, (), kwargs),
+            **({"cheap_before": lambda: old(wrapped, executor, (), kwargs)} if old is not None else {}),
             "cheap_after": lambda: form(wrapped, executor, (), kwargs)}
 
 
@@ -167,7 +184,7 @@ def host_us(call, calls: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default="dcfd6ab",
+    parser.add_argument("--before", default="ecc20f7",
                         help="the revision (or a folder holding that tree) whose adapter/ modules are 'before'")
     parser.add_argument("--kernel", default=os.environ.get(accept_snapshot.PATH_ENV),
                         help=f"the fence's kernel file, for the native scan's rows (default ${accept_snapshot.PATH_ENV})")
@@ -175,18 +192,21 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
-    # REV's flat layout (before the pack's folders, up to b108675): its modules sit at adapter/<name>.py
-    boundaries = {"before": module_at(args.before, "adapter/fence_boundary.py"), "after": fence_boundary}
+    # REV's layout: adapter/folded_fence/ (from 599e189), or the flat adapter/ before it (up to b108675)
+    boundary_path = next(p for p in ("adapter/folded_fence/fence_boundary.py", "adapter/fence_boundary.py") if exists_at(args.before, p))
+    boundaries = {"before": module_at(args.before, boundary_path), "after": fence_boundary}
     fence_boundary.use_native(None)  # `after`: the working tree's Python walk
     native, source = native_boundary(args.kernel)
     if native is not None:
         boundaries["native"] = native
-    before_fence = module_at(args.before, "adapter/folded_fence.py")
+    before_fence, why = cheap_before_module(args.before)
     copy = accept_snapshot.snapshot
     accept_snapshot.snapshot = lambda views: views  # the cheap form's copy stubbed: its Python path alone
     print(f"fence host cost: us per call, median of {args.reps} x {args.calls} calls (CPU, torch {torch.__version__}); "
           f"before = {args.before}, after = the working tree's Python walk, native = its native scan "
           + (f"({source})" if native is not None else f"LEFT OUT: {source}"), flush=True)
+    if why:
+        print(f"cheap_before LEFT OUT: {why}", flush=True)
     rows = {}
     try:
         for bs in args.bs:
