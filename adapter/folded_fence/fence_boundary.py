@@ -85,7 +85,10 @@ def check_results(wrapped, instance, args, kwargs):
     if epilogue is None or result is None or result is epilogue:
         return result
     try:
-        return detach_escapes(result, epilogue)[0]
+        scan = (_storages.get(id(epilogue)) or _cache(epilogue))[4]  # detach_escapes' first look, inline: every step
+        if scan is not None and scan(result, epilogue):
+            return result
+        return _walk(result, epilogue)[0]
     except Exception as exc:  # noqa: BLE001 - never break a step; said once
         say_once(("failed", type(result)), f"boundary: could not check a {type(result).__name__} leaving the worker "
                                            f"({type(exc).__name__}: {exc}); its tensors were not compared with the verify graph's buffers")
