@@ -367,3 +367,21 @@ def test_on_the_cpu_the_walk_serves_and_nothing_is_said(capsys):
     assert fence_boundary.detach_escapes(result, epilogue)[1] == ["Data.a <- DsparkVerifyEpilogue.commit_lens_buf"]
     assert "boundary check:" not in capsys.readouterr().err
     fence_boundary.reset()
+
+
+def test_a_map_built_before_cuda_was_up_takes_the_scan_once_it_is(sm80, monkeypatch):
+    monkeypatch.setenv(accept_snapshot.PATH_ENV, str(sm80))
+    for name, value in (("_mode", None), ("_kernel", None), ("_snapshot", None), ("_capability", lambda: (8, 0))):
+        monkeypatch.setattr(accept_snapshot, name, value)
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    try:
+        epilogue = dspark(MAX_BS)[1]
+        through_worker(decode_result(4), epilogue)  # CUDA not up yet: the walk, the scan not known
+        assert fence_boundary._storages[id(epilogue)][4] is None
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        through_worker(decode_result(4), epilogue)
+        assert fence_boundary._storages[id(epilogue)][4] is not None and fence_boundary.check_mode() == "native"
+    finally:
+        fence_boundary.use_native()
+        fence_boundary.reset()

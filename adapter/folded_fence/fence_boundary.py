@@ -105,7 +105,8 @@ def persistent_storages(epilogue) -> dict:
 def _cache(epilogue) -> tuple:
     state = vars(epilogue)
     cached = _storages.get(id(epilogue))
-    if cached is None or cached[2] != len(state) or cached[1] != tuple(map(id, map(state.get, cached[0]))):
+    if (cached is None or cached[2] != len(state) or cached[1] != tuple(map(id, map(state.get, cached[0])))
+            or (cached[4] is None and _native is _PROBE and torch.cuda.is_initialized())):  # built before CUDA was up
         watched = tuple(name for name, value in state.items() if value is None or isinstance(value, torch.Tensor))
         ids = tuple(map(id, map(state.get, watched)))
         storages = {t.untyped_storage().data_ptr(): name for name, t in state.items()
