@@ -38,9 +38,12 @@ _said_unpackable: set = set()  # sites whose fields the kernel could not take, s
 
 
 def reset() -> None:
-    """Forget the recorded groups and the counts (tests)."""
+    """Forget the recorded groups, the counts and the packing decision (tests)."""
+    global _block_packer
     _groups.clear()
     COUNTS.clear()
+    _block_packer = _UNDECIDED
+    _said_unpackable.clear()
 
 
 def use_kernel(enabled: bool) -> None:

@@ -244,10 +244,12 @@ def totals() -> dict[str, list[int]]:
 
 
 def forget() -> None:
-    """Drop every device's counters (tests): the next call makes them anew."""
-    global _reading
+    """Drop every device's counters and the comparison's decision (tests): the next call
+    makes them anew."""
+    global _reading, _fused
     _tallies.clear()
-    _reading = False
+    _reading, _fused = False, None
+    _said_torch.clear()
 
 
 def reset() -> None:
