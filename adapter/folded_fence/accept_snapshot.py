@@ -160,6 +160,9 @@ std::vector<at::Tensor> pack(const std::vector<at::Tensor>& srcs) {
   }
   std::vector<at::Tensor> out = snapshot(srcs);
   const auto& storage = out[0].storage();
+  for (const auto& t : out) {
+    if (!t.storage().is_alias_of(storage)) return {};  // snapshot cloned (a block past its 32-bit offsets)
+  }
   auto impl = c10::make_intrusive<c10::TensorImpl>(
       c10::Storage(storage), out[0].key_set(), caffe2::TypeMeta::Make<int32_t>());
   impl->set_sizes_contiguous({(int64_t)(storage.nbytes() / 4)});
