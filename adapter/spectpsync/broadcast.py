@@ -117,7 +117,13 @@ def keeps_inputs(tensors) -> bool:
     """Whether broadcast() leaves `tensors` as they were: several packed into one
     collective, each result a copy in the block (neither path writes back into a tensor
     that is not a view; a view's result goes back into it)."""
-    return len(tensors) > 1 and _packable(tensors) and all(t._base is None for t in tensors)
+    if len(tensors) < 2:
+        return False
+    device = tensors[0].device
+    for t in tensors:  # one plain loop: it runs before every packed site call with the report on
+        if t._base is not None or not t.is_contiguous() or t.device != device:
+            return False
+    return True
 
 
 def _block_broadcast(group, site, tensors):

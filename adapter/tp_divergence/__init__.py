@@ -85,7 +85,7 @@ def _compare_sync(every, wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     mine = divergence.copies((values,))  # sync broadcasts in place
     result = wrapped(*args, **kwargs)
-    divergence.observe(int(site), site.slug, mine, (result,), every)
+    divergence.observe(*divergence.label(site), mine, (result,), every)
     return result
 
 

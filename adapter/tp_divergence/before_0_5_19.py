@@ -26,7 +26,7 @@ def compare_broadcast(every, wrapped, instance, args, kwargs):
     # they are this rank's own values. Otherwise they are overwritten in place: copy first.
     mine = tensors if pack.keeps_inputs(tensors) else divergence.copies(tensors)
     result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or the block's
-    divergence.observe(int(site), site.slug, mine, result, every)
+    divergence.observe(*divergence.label(site), mine, result, every)
     return result
 
 

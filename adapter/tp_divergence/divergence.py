@@ -81,6 +81,17 @@ _use_kernel = True  # use_kernel() (tests, benchmarks)
 _said_torch: set = set()  # sites whose values the fused kernel could not take, said once each
 
 
+_labels: dict = {}  # id(site member) -> (number, slug): Enum's .name costs about a microsecond per read
+
+
+def label(site) -> tuple[int, str]:
+    """(number, slug) of a site (the engine's SpecTpSyncSite or the pack's Site member), read once."""
+    found = _labels.get(id(site))  # by identity: two enums may number the same site differently
+    if found is None:
+        found = _labels[id(site)] = (int(site), site.slug)
+    return found
+
+
 def use_kernel(enabled: bool) -> None:
     """Compare CUDA values with the kernel library where it serves (the default), or with
     torch ops (tests and benchmarks compare both); decided again, and said, at the next call."""
