@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from sglang_dsv41_adapters.tp_divergence import divergence
+from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: F401  (offers the kernel library, as a rank's registry does)
 from sglang_dsv41_adapters.framework import runtime  # noqa: E402
 from sglang_dsv41_adapters import tp_divergence as t  # noqa: E402
 

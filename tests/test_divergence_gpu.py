@@ -27,6 +27,7 @@ import os
 import pytest
 import torch
 
+from sglang_dsv41_adapters.folded_fence import accept_snapshot  # also offers the kernel library, as a rank's registry does
 from sglang_dsv41_adapters.tp_divergence import divergence
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters import tp_divergence as t
@@ -193,8 +194,6 @@ def test_first_call_inside_capture_is_refused():
 
 
 # --- issue 26: the kernel library's block and fused comparison ------------------------------
-
-from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(not os.path.isfile(accept_snapshot.kernel_path()),
                                   reason=f"no kernel file at {accept_snapshot.kernel_path()} "

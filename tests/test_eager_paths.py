@@ -290,3 +290,14 @@ def test_eager_calls_ask_about_capture_only_when_a_read_is_due(library, monkeypa
         compared(every=10)(b.DSPARK, Site.DSPARK_DRAFT, draft)
     assert divergence.totals() == {"17:dspark-draft": [25, 25, 200]}
     assert 3 <= len(asked) <= 5, len(asked)  # creation, reads at 10 and 20 (and a landed read's print)
+
+
+def test_where_no_loader_was_offered_the_torch_paths_say_so(monkeypatch):
+    """The registry imports folded_fence in every rank, which offers the library; without it, said."""
+    from sglang_dsv41_adapters.spectpsync import library
+
+    monkeypatch.setattr(library, "_loader", None)
+    why = "its loader (folded_fence.accept_snapshot) is not imported in this process"
+    assert b.packing_mode() == ("concatenation", why) and divergence.compare_mode() == ("torch ops", why)
+    monkeypatch.undo()
+    assert library._loader is accept_snapshot._offered  # importing accept_snapshot offered it

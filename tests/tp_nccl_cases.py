@@ -16,6 +16,8 @@ import os
 import torch
 
 from harness.nccl import capture, device_of, make_group, no_host_sync, report, run
+# Offers the kernel library to the broadcast and the report, as the registry's import does in a rank.
+from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: E402,F401
 
 BS = 64
 def _replays(n, skewed, rank, skew, graph, region, nccl):

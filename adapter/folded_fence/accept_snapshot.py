@@ -41,6 +41,7 @@ from typing import Optional
 
 from . import holders
 from ..framework import log, metrics
+from ..spectpsync import library as shared_library
 
 __all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "kernel_path", "extension", "use_extension", "build"]
 
@@ -367,6 +368,15 @@ def extension():
     """The loaded kernel library (for benchmarks: `empty_launch` is the yardstick), or None."""
     copy_mode()
     return _kernel
+
+
+def _offered():
+    """(the library or None, its file or why not), for the shared decode-path code."""
+    kernel = extension()
+    return kernel, (kernel_path() if kernel is not None else copy_mode()[1])
+
+
+shared_library.offer(_offered)  # the broadcast's block and the divergence report's comparison (issue 26)
 
 
 def use_extension(enabled: bool) -> None:

@@ -6,7 +6,7 @@ else the TP group (upstream's rule).
 
 Several tensors at one site (the accept triple) go in one collective of one block that
 holds a copy of each. On CUDA the block is made by the pack's compiled kernel library
-(folded_fence.accept_snapshot's `pack`: one allocation, one copy launch, the typed results
+(library.py; its `pack`: one allocation, one copy launch, the typed results
 made in C++), which costs about one launch of host time; on the CPU, without the kernel
 file, or for fields it cannot take (not 4-byte elements, not contiguous), by one
 concatenation of the fields' bytes and Python views, which costs several. Which one serves
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 
+from . import library
 from .sites import Site
 
 DSPARK, DFLASH = "dspark", "dflash"
@@ -55,23 +56,19 @@ def use_kernel(enabled: bool) -> None:
 
 def packing_mode() -> tuple[str, str]:
     """("one-launch block", the kernel file) or ("concatenation", why) for CUDA tensors. The
-    first call loads the kernel file (accept_snapshot.copy_mode: a dlopen, no compile)."""
-    from ..folded_fence import accept_snapshot
-
+    first call loads the kernel file (a dlopen, no compile: library.py)."""
     if not _use_kernel:
         return ("concatenation", "switched off by use_kernel(False)")
-    if accept_snapshot.extension() is None:
-        return ("concatenation", accept_snapshot.copy_mode()[1])
-    return ("one-launch block", accept_snapshot.kernel_path())
+    kernel, detail = library.library()
+    return ("one-launch block" if kernel is not None else "concatenation", detail)
 
 
 def _decide_packer():
     global _block_packer
     from ..framework import log
-    from ..folded_fence import accept_snapshot
 
     mode, detail = packing_mode()
-    _block_packer = accept_snapshot.extension().pack if mode == "one-launch block" else None
+    _block_packer = library.library()[0].pack if mode == "one-launch block" else None
     # Probed at the first CUDA call, on the rank's own device; one line says which serves.
     log.emit(f"rank0_broadcast packing: {mode} - {detail}", adapter="rank0_broadcast", packing=mode, detail=detail)
     return _block_packer

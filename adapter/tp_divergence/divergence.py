@@ -10,7 +10,7 @@ counts on every replay. The counter tensor is allocated at the first call outsid
 capture (sglang warms every captured region up eagerly first); a first call inside a
 capture is refused, since a tensor made there would be zeroed by every replay.
 
-On CUDA, where the pack's compiled kernel library serves (folded_fence.accept_snapshot),
+On CUDA, where the pack's compiled kernel library serves (spectpsync.library),
 a site call costs one or two launches: the copy of every value the site broadcasts in
 place (`snapshot`: one launch into one block; none at a packed site) and one fused comparison (`count_divergence`:
 every (mine, theirs) pair compared bit for bit per element of the field's size, which is
@@ -33,6 +33,7 @@ import atexit
 from typing import Optional
 
 from ..framework import log, metrics
+from ..spectpsync import library
 
 PREFIX = log.PREFIX
 ROWS = 32  # site numbers index the rows (upstream's run 1-17)
@@ -101,22 +102,17 @@ def use_kernel(enabled: bool) -> None:
 
 def compare_mode() -> tuple[str, str]:
     """("fused kernel", the kernel file) or ("torch ops", why) for CUDA values. The first
-    call loads the kernel file (accept_snapshot.copy_mode: a dlopen, no compile)."""
-    from ..folded_fence import accept_snapshot
-
+    call loads the kernel file (a dlopen, no compile: spectpsync.library)."""
     if not _use_kernel:
         return ("torch ops", "switched off by use_kernel(False)")
-    if accept_snapshot.extension() is None:
-        return ("torch ops", accept_snapshot.copy_mode()[1])
-    return ("fused kernel", accept_snapshot.kernel_path())
+    kernel, detail = library.library()
+    return ("fused kernel" if kernel is not None else "torch ops", detail)
 
 
 def _decide_fused() -> tuple:
     global _fused
-    from ..folded_fence import accept_snapshot
-
     mode, detail = compare_mode()
-    kernel = accept_snapshot.extension()
+    kernel = library.library()[0]
     _fused = (kernel.count_divergence, kernel.snapshot) if mode == "fused kernel" else ()
     # Probed at the first CUDA call, on the rank's own device; one line says which serves.
     log.emit(f"tp_divergence compare: {mode} - {detail}", adapter="tp_divergence", compare=mode, detail=detail)
