@@ -24,6 +24,11 @@ written, any user, read-only file systems. The path is $SGLANG_ADAPTERS_SNAPSHOT
 else DEFAULT_PATH. If the file is missing, does not load, was built from other
 sources or another torch, or holds no code for this GPU, the clones serve and
 `copy_mode()` says why: the values are the same either way, only the cost differs.
+
+The same library serves two more callers on the eager decode path (issue 26), offered to them
+through spectpsync.library: `pack` (snapshot's block, plus the block itself as one flat tensor,
+for the rank-0 broadcast's one collective) and `count_divergence` (the divergence report's
+fused comparison, one launch per site call).
 """
 
 from __future__ import annotations
