@@ -10,12 +10,12 @@ counts on every replay. The counter tensor is allocated at the first call outsid
 capture (sglang warms every captured region up eagerly first); a first call inside a
 capture is refused, since a tensor made there would be zeroed by every replay.
 
-On CUDA, where the pack's compiled kernel library serves (spectpsync.library),
-a site call costs one or two launches: the copy of every value the site broadcasts in
-place (`snapshot`: one launch into one block; none at a packed site) and one fused comparison (`count_divergence`:
-every (mine, theirs) pair compared bit for bit per element of the field's size, which is
-`ne` for the integer and bool values these sites broadcast, and [1, min(e, 1), e] added to
-the site's row). Elsewhere (the CPU, no kernel file, values it cannot take) torch ops
+On CUDA, where the pack's compiled kernel library serves (spectpsync.library), a site
+call costs one or two launches: the copy of every value the site broadcasts in place
+(`snapshot`: one launch into one block; none at a packed site) and one fused comparison
+(`count_divergence`: every (mine, theirs) pair compared bit for bit per element of the
+field's size, which is `ne` for the integer and bool values these sites broadcast, and
+[1, min(e, 1), e] added to the site's row). Elsewhere (the CPU, no kernel file, values it cannot take) torch ops
 serve: a clone per value, then ne, sum, clamp and one add per call, five to eight
 launches. Which one serves CUDA values is said once per process.
 
@@ -80,8 +80,6 @@ _reading = False  # a read of some device's counters is in flight
 _fused: Optional[tuple] = None  # (count_divergence, snapshot) of the kernel library, () for torch ops; None: undecided
 _use_kernel = True  # use_kernel() (tests, benchmarks)
 _said_torch: set = set()  # sites whose values the fused kernel could not take, said once each
-
-
 _labels: dict = {}  # id(site member) -> (number, slug): Enum's .name costs about a microsecond per read
 
 
