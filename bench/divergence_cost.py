@@ -18,7 +18,9 @@ broadcast is one in-place add (what the comparison itself adds, without gloo's l
 GPU (CUDA present): one process, the 0.5.23 SpecTpSync over a stand-in group whose
 broadcast is one in-place add on the device (standing in for the collective's launch; the
 real NCCL figures are issue 16's). Per site call, bs 1 / 64 / 256: eager host time, and
-the GPU time per call of a captured graph of 32 site calls, report off and on.
+the GPU time per call of a captured graph of 32 site calls, report off, on (the kernel
+library's fused comparison and one-launch copy of mine, issue 26; the line printed first
+says whether it serves) and on_torch (torch ops, the library switched off).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from sglang_dsv41_adapters.tp_divergence import divergence
+from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: F401  (offers the kernel library, as a rank's registry does)
 from sglang_dsv41_adapters.framework import runtime  # noqa: E402
 from sglang_dsv41_adapters import tp_divergence as t  # noqa: E402
 
@@ -194,12 +197,18 @@ def run_gpu(opts) -> dict:
     tp_sync = SpecTpSync(StandInGroup(device))
     per_graph = 32
     out = {}
+    gpu_variants = ("off", "on", "on_torch")
+
+    def switch_gpu(variant):
+        switch(variant.replace("_torch", ""))
+        divergence.use_kernel(not variant.endswith("_torch"))
+
     for bs in (1, 64, 256):
         values = torch.arange(bs, device=device)
-        times = {f"{kind}/{v}": [] for kind in ("eager", "captured") for v in ("off", "on")}
+        times = {f"{kind}/{v}": [] for kind in ("eager", "captured") for v in gpu_variants}
         graphs = {}
-        for variant in ("off", "on"):
-            switch(variant)
+        for variant in gpu_variants:
+            switch_gpu(variant)
             tp_sync.sync(S.DSPARK_ACCEPT_GRAPH, values)  # warm-up outside capture (makes the counters)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -210,8 +219,8 @@ def run_gpu(opts) -> dict:
             graphs[variant] = graph
         torch.cuda.synchronize()
         for _ in range(opts.reps):
-            for variant in ("off", "on"):
-                switch(variant)
+            for variant in gpu_variants:
+                switch_gpu(variant)
                 torch.cuda.synchronize()
                 times[f"eager/{variant}"].append(timed(lambda i: tp_sync.sync(S.DSPARK_ACCEPT_GRAPH, values), opts.calls))
                 torch.cuda.synchronize()
@@ -223,13 +232,20 @@ def run_gpu(opts) -> dict:
                 end.synchronize()
                 times[f"captured/{variant}"].append(start.elapsed_time(end) * 1e3 / (opts.replays * per_graph))
         out[f"bs{bs}"] = {k: statistics.median(v) for k, v in times.items()}
-    switch("off")
-    print("per site call, us (median): eager = host time, captured = GPU time per call in a graph of 32")
-    print(f"{'bs':<8}{'eager off':>12}{'eager on':>18}{'captured off':>15}{'captured on':>18}")
+    switch_gpu("off")
+    print(f"per site call, us (median): eager = host time, captured = GPU time per call in a graph of 32; "
+          f"on = {' - '.join(divergence.compare_mode())}, on_torch = torch ops")
+    print(f"{'bs':<8}{'eager off':>12}{'eager on':>18}{'eager on_torch':>20}{'captured off':>15}{'captured on':>18}"
+          f"{'captured on_torch':>20}")
     for case, row in out.items():
-        print(f"{case:<8}{row['eager/off']:>12.2f}{row['eager/on']:>10.2f} (+{row['eager/on'] - row['eager/off']:.2f})"
-              f"{row['captured/off']:>15.2f}{row['captured/on']:>10.2f} (+{row['captured/on'] - row['captured/off']:.2f})")
-    return {"mode": "cuda-one-process", "device": torch.cuda.get_device_name(), "results": out}
+        cells = []
+        for kind, width in (("eager", 12), ("captured", 15)):
+            off = row[f"{kind}/off"]
+            cells.append(f"{off:>{width}.2f}" + "".join(
+                f"{row[f'{kind}/{v}']:>{w}.2f} ({row[f'{kind}/{v}'] - off:+.2f})" for v, w in (("on", 9), ("on_torch", 11))))
+        print(f"{case:<8}" + "".join(cells))
+    return {"mode": "cuda-one-process", "device": torch.cuda.get_device_name(), "compare": divergence.compare_mode(),
+            "results": out}
 
 
 def main(argv=None) -> int:

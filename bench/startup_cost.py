@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def engine_modules() -> list[str]:
     # The modules doctor imports: every adapter's targets plus the scheduler the plugin guards.
-    names = [name for adapter in ADAPTERS for name, _ in getattr(importlib.import_module(f"adapter.{adapter}"), "TARGETS", ())]
+    names = [name for adapter in ADAPTERS for name, _ in getattr(importlib.import_module(f"sglang_dsv41_adapters.{adapter}"), "TARGETS", ())]
     return sorted(set(names)) + ["sglang.srt.managers.scheduler"]
 
 
@@ -99,7 +99,7 @@ def before_and_after(opts) -> None:
     flags_on = dict(env, **{load(a).flag: load(a).check_value for a in ADAPTERS})
     importer = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in engine_modules())
     with tempfile.TemporaryDirectory() as before:
-        archive = subprocess.run(["git", "archive", opts.before, "adapter", "entrypoint.py"], cwd=ROOT, check=True,
+        archive = subprocess.run(["git", "archive", opts.before, "adapter", "sglang_dsv41_adapters", "entrypoint.py"], cwd=ROOT, check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", before], input=archive, check=True)
         trees = {f"before ({opts.before})": (before, False), "after (this tree)": (ROOT, True)}

@@ -9,24 +9,35 @@ is one unit, measured three ways (median of --reps, the cases interleaved in eac
   eager host   host time per unit to issue it (microseconds)
   eager wall   time per unit with the device drained at the end (what a rank waits)
   captured     GPU time per unit in a CUDA graph of --per-graph units (cuda events)
-Cases, bs 1 / 8 / 64:
+Cases, bs 1 / 8 / 64 (issue 26: the pack's new paths beside the bare collectives and the
+old paths, in the same run):
   site/*       one site call: the bare group.broadcast; the engine's SpecTpSync.sync with
                the site on / off (off: no collective) and the divergence report on / off;
-               the pack's broadcast() (0.5.16 - 0.5.18) with and without the report wrapper
+               the pack's broadcast() (0.5.16 - 0.5.18) with and without the report wrapper.
+               report_on: the fused comparison of the kernel library (one launch, plus one
+               for the copy of mine at a site broadcast in place); report_on_torch: torch ops
   step/*       one decode step, gamma 3 and 7: gamma draft broadcasts + the accept triple
                (int32 accept length, int64 bonus, int32 trim, as the engine's);
                bare = the collectives the pack issues (gamma + one buffer of the triple's
-               bytes), bare_three = those the engine issues (gamma + 3)
+               bytes), bare_three = those the engine issues (gamma + 3); pack_on/report_off:
+               the triple packed by the library (one launch into one block), _cat: by the
+               concatenation (the old path)
   triple/*     the accept triple: one broadcast of a preallocated buffer of its bytes
                (one_buffer, the ref), the same buffer written by a kernel just before
                (one_buffer_written: the fields adjacent by construction, as a producing
-               kernel would leave them), three broadcasts, the pack's broadcast() (one
-               concatenation of the three fields' bytes, one broadcast, the results
-               views of the received buffer), the same through the wrapper the pack
-               puts on the captured accept (rank0_broadcast._graph_accept), and the
-               concatenation alone
-"+%" compares a case with the bare collectives it issues (its `ref`). --cpu (or no CUDA):
-gloo CPU processes, eager only (a check that the code runs; the figures are gloo's).
+               kernel would leave them), three broadcasts, the pack's broadcast() with the
+               library's block (packed: one launch copies the fields into one new block,
+               one broadcast, the results typed tensors over it) and with the concatenation
+               (packed_cat: one concatenation of the fields' bytes, the results views),
+               the same through the wrapper the pack puts on the captured accept
+               (rank0_broadcast._graph_accept), with the report (no copy of mine: the
+               fields stay as they were), the concatenation alone and the block alone
+"+%" compares a case with the bare collectives it issues (its `ref`): goal 2 reads
+packed and step/*/pack_on/report_off there (at most +20 %). "rep +us/site": the eager host
+time a report case adds to the same case with the report off, per site call (goal 3: at
+most 10 us). --cpu (or no CUDA): gloo CPU processes, eager only (a check that the code
+runs; the figures are gloo's, and the library serves CUDA tensors only, so both paths of
+each pair are the old ones there).
 NVLink multicast is off in every process (harness/nccl.py NO_MULTICAST).
 """
 
@@ -61,6 +72,17 @@ class Case:
     collectives: int  # collectives one unit issues
     report: bool = False  # the engine's report switched on (class-wide patch of SpecTpSync.sync)
     ref: Optional[str] = None  # the bare case issuing the same collectives
+    kernel: bool = True  # the kernel library packs and compares (issue 26); False: concatenation, torch ops
+    base: Optional[str] = None  # a report case: the same case with the report off
+    sites: int = 1  # site calls one unit makes
+
+
+def paths(kernel: bool) -> None:
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+    from sglang_dsv41_adapters.tp_divergence import divergence
+
+    b.use_kernel(kernel)
+    divergence.use_kernel(kernel)
 
 
 def build_cases(group, device):
@@ -68,8 +90,9 @@ def build_cases(group, device):
 
     import wrapt
 
+    from sglang_dsv41_adapters.folded_fence import accept_snapshot
     from sglang_dsv41_adapters.spectpsync import broadcast as b
-    from sglang_dsv41_adapters.rank0_broadcast import _graph_accept
+    from sglang_dsv41_adapters.rank0_broadcast.before_0_5_19 import _graph_accept
     from sglang_dsv41_adapters import tp_divergence as t
     from sglang_dsv41_adapters.spectpsync.sites import Site
 
@@ -97,14 +120,19 @@ def build_cases(group, device):
     for bs in SIZES:
         v = torch.arange(bs, device=device)
         p = f"site/bs{bs}"
+        engine_on = repeat((late(sync_on), (S.DSPARK_DRAFT, v)))
+        pack_on, pack_on_report = repeat((pack, (b.DSPARK, Site.DSPARK_DRAFT, v))), repeat((pack_report, (b.DSPARK, Site.DSPARK_DRAFT, v)))
         cases += [Case(f"{p}/bare", repeat((bare, (v,))), 1),
-                  Case(f"{p}/engine_on/report_off", repeat((late(sync_on), (S.DSPARK_DRAFT, v))), 1, False, f"{p}/bare"),
-                  Case(f"{p}/engine_on/report_on", repeat((late(sync_on), (S.DSPARK_DRAFT, v))), 1, True, f"{p}/bare"),
+                  Case(f"{p}/engine_on/report_off", engine_on, 1, False, f"{p}/bare"),
+                  Case(f"{p}/engine_on/report_on", engine_on, 1, True, f"{p}/bare", base=f"{p}/engine_on/report_off"),
+                  Case(f"{p}/engine_on/report_on_torch", engine_on, 1, True, f"{p}/bare", kernel=False,
+                       base=f"{p}/engine_on/report_off"),
                   Case(f"{p}/engine_off/report_off", repeat((late(sync_off), (S.DSPARK_DRAFT, v))), 0, False),
                   Case(f"{p}/engine_off/report_on", repeat((late(sync_off), (S.DSPARK_DRAFT, v))), 0, True),
-                  Case(f"{p}/pack_on/report_off", repeat((pack, (b.DSPARK, Site.DSPARK_DRAFT, v))), 1, False, f"{p}/bare"),
-                  Case(f"{p}/pack_on/report_on", repeat((pack_report, (b.DSPARK, Site.DSPARK_DRAFT, v))), 1, False,
-                       f"{p}/bare")]
+                  Case(f"{p}/pack_on/report_off", pack_on, 1, False, f"{p}/bare"),
+                  Case(f"{p}/pack_on/report_on", pack_on_report, 1, False, f"{p}/bare", base=f"{p}/pack_on/report_off"),
+                  Case(f"{p}/pack_on/report_on_torch", pack_on_report, 1, False, f"{p}/bare", kernel=False,
+                       base=f"{p}/pack_on/report_off")]
     for gamma in GAMMAS:
         for bs in SIZES:
             draft = torch.arange(bs, device=device)
@@ -115,24 +143,40 @@ def build_cases(group, device):
                       Case(f"{p}/bare_three", repeat(*drafts(bare), *[(bare, (f,)) for f in fields]), gamma + 3)]
             for state, sync, n in (("on", sync_on, gamma + 3), ("off", sync_off, 0)):
                 op = repeat(*drafts(late(sync), S.DSPARK_DRAFT), *[(late(sync), (S.DSPARK_ACCEPT_GRAPH, f)) for f in fields])
-                cases += [Case(f"{p}/engine_{state}/report_{r}", op, n, r == "on", f"{p}/bare_three" if n else None)
-                          for r in ("off", "on")]
-            for r, fn in (("off", pack), ("on", pack_report)):
+                off = f"{p}/engine_{state}/report_off"
+                cases += [Case(off, op, n, False, f"{p}/bare_three" if n else None, sites=gamma + 3),
+                          Case(f"{p}/engine_{state}/report_on", op, n, True, f"{p}/bare_three" if n else None, base=off,
+                               sites=gamma + 3)]
+                if n:
+                    cases.append(Case(f"{p}/engine_{state}/report_on_torch", op, n, True, f"{p}/bare_three",
+                                      kernel=False, base=off, sites=gamma + 3))
+            off = f"{p}/pack_on/report_off"
+            for name, fn, kernel in (("report_off", pack, True), ("report_off_cat", pack, False),
+                                     ("report_on", pack_report, True), ("report_on_torch", pack_report, False)):
                 op = repeat(*drafts(fn, b.DSPARK, Site.DSPARK_DRAFT), (fn, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields)))
-                cases.append(Case(f"{p}/pack_on/report_{r}", op, gamma + 1, False, f"{p}/bare"))
+                cases.append(Case(f"{p}/pack_on/{name}", op, gamma + 1, False, f"{p}/bare", kernel=kernel,
+                                  base=off if fn is pack_report else None, sites=gamma + 1))
     for bs in SIZES:
         fields, buf = accept_triple(bs, device)
         hooked = wrapt.FunctionWrapper(lambda fields=fields, **kwargs: fields, _graph_accept)
         p = f"triple/bs{bs}"
+        packed = repeat((pack, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields)))
+        reported = repeat((pack_report, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields)))
         cases += [Case(f"{p}/one_buffer", repeat((bare, (buf,))), 1),
-                  Case(f"{p}/packed", repeat((pack, (b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields))), 1, False,
-                       f"{p}/one_buffer"),
+                  Case(f"{p}/packed", packed, 1, False, f"{p}/one_buffer"),
+                  Case(f"{p}/packed_cat", packed, 1, False, f"{p}/one_buffer", kernel=False),
                   Case(f"{p}/packed_hook", repeat((hooked, ())), 1, False, f"{p}/one_buffer"),
+                  Case(f"{p}/packed_report", reported, 1, False, f"{p}/one_buffer", base=f"{p}/packed"),
+                  Case(f"{p}/packed_report_torch", reported, 1, False, f"{p}/one_buffer", kernel=False,
+                       base=f"{p}/packed_cat"),
                   Case(f"{p}/three_broadcasts", repeat(*[(bare, (f,)) for f in fields]), 3, False, f"{p}/one_buffer"),
                   # the eager ref where the fields are adjacent by construction: the kernel that
                   # produced them has just written the buffer (a standing buffer broadcasts faster)
                   Case(f"{p}/one_buffer_written", repeat((lambda buf=buf: bare(buf.add_(0)), ())), 1),
                   Case(f"{p}/cat_only", repeat((lambda fields=fields: torch.cat([f.view(torch.int32) for f in fields]), ())), 0)]
+        library = accept_snapshot.extension() if device.type == "cuda" else None
+        if library is not None:
+            cases.append(Case(f"{p}/block_only", repeat((library.pack, (fields,))), 0))
     return cases
 
 
@@ -165,11 +209,13 @@ def cost_rank(rank, world, nccl, reps, calls, replays, per_graph):
             report(on, t.DEFAULT_EVERY)
             for case in cases:
                 if case.report == on and case.collectives:
+                    paths(case.kernel)
                     graphs[case.name] = capture(group, lambda c=case: [c.op() for _ in range(per_graph)], nccl)
 
     for on in (False, True):  # one eager pass first: lazy communicator set-up stays out of the figures
         report(on, t.DEFAULT_EVERY)
         for case in cases:
+            paths(case.kernel)
             case.op()
         sync()
         dist.barrier()
@@ -178,6 +224,7 @@ def cost_rank(rank, world, nccl, reps, calls, replays, per_graph):
         for on in (False, True):
             report(on, t.DEFAULT_EVERY)
             for case in (c for c in cases if c.report == on):
+                paths(case.kernel)
                 sync()
                 dist.barrier()
                 start = time.perf_counter()
@@ -200,10 +247,17 @@ def cost_rank(rank, world, nccl, reps, calls, replays, per_graph):
                 end.synchronize()
                 times[case.name]["captured"].append(begin.elapsed_time(end) * 1e3 / (replays * per_graph))
     report(False)
+    paths(True)
     diverged = {k: v for k, v in divergence.totals().items() if v[1]}  # no skew: must stay empty
-    results = {c.name: {"collectives": c.collectives, "ref": c.ref, "report": c.report,
+    results = {c.name: {"collectives": c.collectives, "ref": c.ref, "report": c.report, "kernel": c.kernel,
+                        "base": c.base, "sites": c.sites,
                         **{k: statistics.median(v) if v else None for k, v in times[c.name].items()}} for c in cases}
-    return {"group": kind, "results": results, "diverged": diverged}
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+
+    # what served the CUDA tensors (the library serves no CPU tensor: there the old paths serve)
+    modes = {"packing": b.packing_mode(), "compare": divergence.compare_mode()} if nccl else \
+        {"packing": ("concatenation", "CPU tensors"), "compare": ("torch ops", "CPU tensors")}
+    return {"group": kind, "results": results, "diverged": diverged, "paths": modes}
 
 
 def _pct(value, ref):
@@ -212,10 +266,13 @@ def _pct(value, ref):
 
 def table(ranks) -> str:
     rows = ranks[0]["results"]
-    head = (f"{'case (rank 0)':<40}{'coll':>5}{'eager host':>12}{'':>6}{'eager wall':>12}{'':>6}"
+    head = (f"{'case (rank 0)':<44}{'coll':>5}{'eager host':>12}{'':>6}{'rep +us/site':>13}{'eager wall':>12}{'':>6}"
             f"{'captured':>12}{'':>6}{'capt/coll':>10}")
+    modes = ranks[0]["paths"]
     lines = [f"TP group: {ranks[0]['group']}; {len(ranks)} ranks; us per unit (median); +% over the bare collectives "
-             f"the case issues (ref)", head]
+             f"the case issues (ref); rep +us/site: eager host time the report adds per site call",
+             f"packing: {' - '.join(modes['packing'])}; report's comparison: {' - '.join(modes['compare'])} "
+             "(*_cat, *_torch: the old paths, the library switched off)", head]
     for name, row in rows.items():
         ref = rows.get(row["ref"]) if row["ref"] else None
         cells = []
@@ -225,7 +282,10 @@ def table(ranks) -> str:
             cells.append(f"{_pct(value, ref[key] if ref else None):>6}")
         per_coll = (f"{row['captured'] / row['collectives']:>10.2f}" if row["captured"] is not None and row["collectives"]
                     else f"{'-':>10}")
-        lines.append(f"{name:<40}{row['collectives']:>5}" + "".join(cells) + per_coll)
+        base = rows.get(row["base"]) if row["base"] else None
+        added = f"{(row['eager_host'] - base['eager_host']) / row['sites']:>+13.2f}" if base else f"{'':>13}"
+        cells.insert(2, added)
+        lines.append(f"{name:<44}{row['collectives']:>5}" + "".join(cells) + per_coll)
     return "\n".join(lines)
 
 

@@ -9,6 +9,12 @@ skew is nonzero, by exactly the elements it covers. The counters are read only a
 the replays; the replay loop runs under torch.cuda.set_sync_debug_mode("error"), so any
 host synchronisation there raises. The real TP2 run over NCCL is issue 16's.
 
+Issue 26: with the kernel library (SGLANG_ADAPTERS_SNAPSHOT_KERNEL, built by
+bench/gpu/divergence.sh) the pack's broadcast packs several tensors into one block with one
+launch and the report compares with one fused launch per site call; the counts equal the
+torch ops' (the library switched off) inside and outside graphs, and the block keeps every
+field's values, dtype and shape.
+
 Skipped without CUDA. On the GPU machine, with the pack and the sglang 0.5.23 sources on
 PYTHONPATH: `python3 -m pytest tests/test_divergence_gpu.py -q -rA`.
 """
@@ -16,10 +22,12 @@ PYTHONPATH: `python3 -m pytest tests/test_divergence_gpu.py -q -rA`.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 
+from sglang_dsv41_adapters.folded_fence import accept_snapshot  # also offers the kernel library, as a rank's registry does
 from sglang_dsv41_adapters.tp_divergence import divergence
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters import tp_divergence as t
@@ -183,3 +191,111 @@ def test_first_call_inside_capture_is_refused():
     with pytest.raises(RuntimeError, match="10:dspark-accept-graph first ran inside CUDA graph capture"):
         with torch.cuda.graph(graph):
             divergence.observe(int(Site.DSPARK_ACCEPT_GRAPH), "dspark-accept-graph", [values.clone()], [values], 8)
+
+
+# --- issue 26: the kernel library's block and fused comparison ------------------------------
+
+# A kernel file named by the environment must serve (the scripts build it and name it); the
+# default path is used where it is there.
+needs_kernel = pytest.mark.skipif(
+    not (os.environ.get(accept_snapshot.PATH_ENV) or os.path.isfile(accept_snapshot.kernel_path())),
+    reason=f"no kernel file: {accept_snapshot.PATH_ENV} unset and nothing at {accept_snapshot.DEFAULT_PATH} "
+           "(bench/gpu/divergence.sh and tp_nccl.sh build one and name it)")
+
+
+def paths(kernel: bool) -> None:
+    """Both of issue 26's paths on (the library) or off (concatenation, torch ops)."""
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+
+    b.use_kernel(kernel)
+    divergence.use_kernel(kernel)
+
+
+@needs_kernel
+def test_the_kernel_library_serves_packing_and_comparing():
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+
+    assert b.packing_mode() == ("one-launch block", accept_snapshot.kernel_path())
+    assert divergence.compare_mode() == ("fused kernel", accept_snapshot.kernel_path())
+
+
+@needs_kernel
+def test_the_block_keeps_values_dtypes_and_shapes():
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+    from sglang_dsv41_adapters.spectpsync.sites import Site
+
+    device = torch.device("cuda")
+    b.bind_group(b.DSPARK, SkewedGroup(torch.zeros((), dtype=torch.int64, device=device)))
+    try:
+        for bs in (0, 1, 7, 64):
+            fields = [torch.arange(bs, dtype=torch.int32, device=device) - 5,
+                      torch.arange(bs, dtype=torch.int64, device=device) * (1 << 40) + 3,
+                      torch.arange(bs, dtype=torch.int32, device=device) + 9,
+                      torch.randn(2, bs, device=device), torch.arange(3, dtype=torch.int64, device=device)]
+            kept = [f.clone() for f in fields]
+            got = b.broadcast(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields)
+            assert [(g.dtype, g.shape) for g in got] == [(f.dtype, f.shape) for f in kept]
+            assert all(torch.equal(g, f) for g, f in zip(got, kept)), bs
+            assert len({g.untyped_storage().data_ptr() for g in got}) == 1  # one block
+            assert not {g.untyped_storage().data_ptr() for g in got} & {f.untyped_storage().data_ptr() for f in fields}
+        # a bool field: the kernel does not take it, the concatenation does, same values
+        flags = [torch.tensor([True, False, True], device=device), torch.arange(3, dtype=torch.int32, device=device)]
+        got = b.broadcast(b.DSPARK, Site.DFLASH_ACCEPT_SAMPLE, *flags)
+        assert torch.equal(got[0], flags[0]) and torch.equal(got[1], flags[1])
+        assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+        assert b.COUNTS == {Site.DSPARK_ACCEPT_GRAPH: 4, Site.DFLASH_ACCEPT_SAMPLE: 1}
+    finally:
+        b.reset()
+
+
+@needs_kernel
+def test_fused_counts_equal_the_torch_ops_counts_in_graphs_and_eagerly():
+    """The pack's packed triple (site 10: no copy of mine) and a draft broadcast in place
+    (17: one snapshot), rank 0's value skewed in k of n calls: the same counters through
+    the library and through torch ops, replayed in a graph and called eagerly."""
+    import wrapt
+
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+    from sglang_dsv41_adapters.spectpsync.sites import Site
+
+    device = torch.device("cuda")
+    skew = torch.zeros((), dtype=torch.int64, device=device)
+    b.bind_group(b.DSPARK, SkewedGroup(skew))
+    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
+    source = torch.arange(BS, device=device)
+    triple = [torch.empty(BS, dtype=torch.int32, device=device), torch.empty(BS, dtype=torch.int64, device=device),
+              torch.empty(BS, dtype=torch.int32, device=device)]
+    draft = torch.empty_like(source)
+
+    def region():  # as rank0_broadcast's wrappers on the accept and the draft
+        for i, field in enumerate(triple):
+            field.copy_(source + i)
+        compared(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *triple)
+        draft.copy_(source)
+        compared(b.DSPARK, Site.DSPARK_DRAFT, draft)
+
+    k = len(SKEWED)
+    # a skewed call adds 1 to every int32 word of the block (each field's every element) and to the draft
+    expected = {"10:dspark-accept-graph": [REPLAYS, k, k * 3 * BS], "17:dspark-draft": [REPLAYS, k, k * BS]}
+    got = {}
+    try:
+        for kernel in (True, False):
+            paths(kernel)
+            capture_and_replay(region, skew)
+            got[("graph", kernel)] = divergence.totals()
+            divergence.reset()
+            ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for i in range(REPLAYS):
+                    skew.copy_(ones if i in SKEWED else zeros)
+                    region()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            got[("eager", kernel)] = divergence.totals()
+            divergence.reset()
+    finally:
+        paths(True)
+        b.reset()
+        divergence.reset()
+    assert got == {key: expected for key in got}, got

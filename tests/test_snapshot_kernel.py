@@ -213,3 +213,16 @@ def test_the_applied_line_and_doctor_say_which_copy(monkeypatch):
     row = next(r for r in cli.report(environ, InstalledEngine())["adapters"] if r["adapter"] == folded_fence.NAME)
     assert row["machine"] == "copy: clones (no CUDA)"
     assert runtime.decide({}, names=(folded_fence.NAME,)).lines()[0].endswith("OFF - DSV41_FOLDED_FENCE is off (sglang 0.5.23)")
+
+
+# --- issue 26: the broadcast's block and the divergence report's comparison -------------------
+
+def test_the_library_packs_and_compares_cuda_values_only(sm80):
+    """Its pack and count_divergence are bound; on CPU values they decline, launching nothing,
+    so the callers' own paths serve (tests/test_eager_paths.py: what the callers do then)."""
+    kernel = accept_snapshot._probe(str(sm80), (8, 0))[1]
+    fields = [torch.arange(4, dtype=torch.int32), torch.arange(4, dtype=torch.int64)]
+    assert kernel.pack(fields) == [] and kernel.pack(()) == []
+    counts = torch.zeros(32, 3, dtype=torch.int64)
+    assert kernel.count_divergence(fields, fields, counts, 10) is False
+    assert not counts.any()

@@ -208,6 +208,7 @@ def release18_case(rank, world, nccl, n, skewed):
     from sglang_dsv41_adapters.spectpsync import broadcast as b
     from sglang_dsv41_adapters.rank0_broadcast import before_0_5_19 as r
     from sglang_dsv41_adapters.engine.installed import engine_version
+    from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: F401  (offers the kernel library, as a rank's registry does)
     from harness.nccl import device_of, make_group
 
     skewed = frozenset(skewed)

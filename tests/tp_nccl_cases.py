@@ -16,6 +16,8 @@ import os
 import torch
 
 from harness.nccl import capture, device_of, make_group, no_host_sync, report, run
+# Offers the kernel library to the broadcast and the report, as the registry's import does in a rank.
+from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: E402,F401
 
 BS = 64
 def _replays(n, skewed, rank, skew, graph, region, nccl):
@@ -111,11 +113,17 @@ def pack_case(rank, world, nccl, n, skewed):
     device = device_of(group, nccl)
     source = torch.arange(BS, device=device)
     expected = torch.stack((source, source + 1, source + 2, source)).cpu()
-    variants = {"off": None, "on": b.broadcast,
-                "on_report": wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))}
-    out = {"group": kind}
+    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
+    # name: (broadcast, the kernel library's paths on, captured); issue 26: the library's block
+    # and fused comparison against concatenation and torch ops, inside graphs and eagerly
+    variants = {"off": (None, True, True), "on": (b.broadcast, True, True), "on_report": (compared, True, True),
+                "on_report_torch": (compared, False, True), "on_report_eager": (compared, True, False),
+                "on_report_torch_eager": (compared, False, False)}
+    out = {"group": kind, "packing": [], "compare": []}
     try:
-        for name, broadcast in variants.items():
+        for name, (broadcast, kernel, captured) in variants.items():
+            b.use_kernel(kernel)
+            divergence.use_kernel(kernel)
             skew = torch.zeros((), dtype=torch.int64, device=device)
             triple = [torch.empty(BS, dtype=torch.int64, device=device), torch.empty(BS, dtype=torch.int64, device=device),
                       torch.empty(BS, dtype=torch.int32, device=device)]
@@ -136,15 +144,20 @@ def pack_case(rank, world, nccl, n, skewed):
                 history.index_copy_(0, step, row.unsqueeze(0))
                 step.add_(1)
 
-            if not nccl:
+            if not (nccl and captured):
                 region()
-            graph = capture(group, region, nccl)
+            graph = capture(group, region, nccl and captured)
             divergence.reset()
             step.zero_()
-            _replays(n, skewed, rank, skew, graph, region, nccl)
+            _replays(n, skewed, rank, skew, graph, region, nccl and captured)
             out[name] = {"rows_off": _rows_off(history, expected), "replays": int(step.item()),
-                         "totals": divergence.totals() if name == "on_report" else {}}
+                         "totals": divergence.totals() if broadcast is compared else {}}
+            if broadcast is compared and nccl:  # what served the CUDA values (the CPU never probes)
+                out["packing"].append(b.packing_mode()[0])
+                out["compare"].append(divergence.compare_mode()[0])
     finally:
         b.reset()
+        b.use_kernel(True)
+        divergence.use_kernel(True)
         divergence.reset()
     return out

@@ -24,6 +24,11 @@ written, any user, read-only file systems. The path is $SGLANG_ADAPTERS_SNAPSHOT
 else DEFAULT_PATH. If the file is missing, does not load, was built from other
 sources or another torch, or holds no code for this GPU, the clones serve and
 `copy_mode()` says why: the values are the same either way, only the cost differs.
+
+The same library serves two more callers on the eager decode path (issue 26), offered to them
+through spectpsync.library: `pack` (snapshot's block, plus the block itself as one flat tensor,
+for the rank-0 broadcast's one collective) and `count_divergence` (the divergence report's
+fused comparison, one launch per site call).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Optional
 
 from . import holders
 from ..framework import log, metrics
+from ..spectpsync import library as shared_library
 
 __all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "kernel_path", "extension", "use_extension", "build"]
 
@@ -342,6 +348,114 @@ std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& srcs) {
   return out;
 }
 
+// --- one block for a broadcast, and the divergence report's fused comparison (spectpsync, tp_divergence)
+
+// [block, copies...]: snapshot()'s one-launch copy, plus the whole block as one flat int32
+// tensor (what one collective sends). Empty where snapshot() would clone (the caller packs
+// another way): any field not contiguous, not 4-byte elements, not on one CUDA device.
+std::vector<at::Tensor> pack(const std::vector<at::Tensor>& srcs) {
+  if (srcs.empty() || srcs.size() > (size_t)kMaxFields) return {};
+  for (const auto& t : srcs) {
+    if (!t.is_cuda() || t.device() != srcs[0].device() || !t.is_contiguous() || t.element_size() % 4 != 0 ||
+        reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 != 0 || t.requires_grad()) {
+      return {};
+    }
+  }
+  std::vector<at::Tensor> out = snapshot(srcs);
+  const auto& storage = out[0].storage();
+  for (const auto& t : out) {
+    if (!t.storage().is_alias_of(storage)) return {};  // snapshot cloned (a block past its 32-bit offsets)
+  }
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::Storage(storage), out[0].key_set(), caffe2::TypeMeta::Make<int32_t>());
+  impl->set_sizes_contiguous({(int64_t)(storage.nbytes() / 4)});
+  out.insert(out.begin(), at::Tensor(std::move(impl)));
+  return out;
+}
+
+namespace {
+struct Pairs {
+  const void* mine[kMaxFields];
+  const void* theirs[kMaxFields];
+  int64_t numel[kMaxFields];
+  int32_t item[kMaxFields];  // element size in bytes: 1, 2, 4 or 8
+  int32_t n;
+};
+
+template <typename T>
+__device__ __forceinline__ bool differs_at(const void* a, const void* b, int64_t j) {
+  return static_cast<const T*>(a)[j] != static_cast<const T*>(b)[j];
+}
+
+// One block: the site's values are token-sized (a few thousand elements at most). Counts
+// the elements whose bits differ, then adds [1, min(e, 1), e] to the site's counter row.
+__global__ void count_differences(Pairs p, unsigned long long* __restrict__ row) {
+  __shared__ unsigned long long block_total;
+  if (threadIdx.x == 0) block_total = 0;
+  __syncthreads();
+  unsigned long long local = 0;
+  for (int i = 0; i < p.n; ++i) {
+    const void* a = p.mine[i];
+    const void* b = p.theirs[i];
+    for (int64_t j = threadIdx.x; j < p.numel[i]; j += blockDim.x) {
+      switch (p.item[i]) {
+        case 1: local += differs_at<uint8_t>(a, b, j); break;
+        case 2: local += differs_at<uint16_t>(a, b, j); break;
+        case 4: local += differs_at<uint32_t>(a, b, j); break;
+        default: local += differs_at<unsigned long long>(a, b, j); break;
+      }
+    }
+  }
+  if (local) atomicAdd(&block_total, local);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // atomics: two streams may report the same site at once
+    atomicAdd(row, 1ULL);
+    if (block_total) {
+      atomicAdd(row + 1, 1ULL);
+      atomicAdd(row + 2, block_total);
+    }
+  }
+}
+}  // namespace
+
+// One launch on the current stream (capturable) comparing every (mine, theirs) pair bit
+// for bit and adding [1, min(e, 1), e] to counts[row]. False, launching nothing, where it
+// cannot serve (the caller compares another way): pairs not on counts' device, not
+// contiguous, of other sizes, elements not 1/2/4/8 bytes, more than kMaxFields pairs.
+bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at::Tensor>& theirs,
+                      const at::Tensor& counts, int64_t row) {
+  const int n = (int)mine.size();
+  if (n == 0 || n > kMaxFields || theirs.size() != mine.size() || !counts.is_cuda() ||
+      counts.scalar_type() != at::kLong || !counts.is_contiguous() || counts.dim() != 2 || counts.size(1) != 3 ||
+      row < 0 || row >= counts.size(0)) {
+    return false;
+  }
+  const auto device = counts.device();
+  Pairs p;
+  p.n = n;
+  for (int i = 0; i < n; ++i) {
+    const auto& a = mine[i];
+    const auto& b = theirs[i];
+    const auto item = a.element_size();
+    if (a.device() != device || b.device() != device || !a.is_contiguous() || !b.is_contiguous() ||
+        a.numel() != b.numel() || b.element_size() != item || (item != 1 && item != 2 && item != 4 && item != 8) ||
+        reinterpret_cast<uintptr_t>(a.data_ptr()) % item != 0 || reinterpret_cast<uintptr_t>(b.data_ptr()) % item != 0) {
+      return false;
+    }
+    p.mine[i] = a.data_ptr();
+    p.theirs[i] = b.data_ptr();
+    p.numel[i] = a.numel();
+    p.item[i] = (int32_t)item;
+  }
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (device.index() != c10::cuda::current_device()) guard.emplace(device);
+  auto* counter = reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>()) + row * 3;
+  count_differences<<<1, 256, 0, c10::cuda::getCurrentCUDAStream(device.index())>>>(p, counter);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
 void empty_launch() {
   empty_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>();
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -356,8 +470,11 @@ _CPP_SOURCE = (
     "#include <vector>\n"
     "std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& srcs);\n"
     "void empty_launch();\n"
+    "std::vector<at::Tensor> pack(const std::vector<at::Tensor>& srcs);\n"
+    "bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at::Tensor>& theirs, "
+    "const at::Tensor& counts, int64_t row);\n"
 )
-_FUNCTIONS = ["snapshot", "empty_launch", "build_info"]
+_FUNCTIONS = ["snapshot", "empty_launch", "build_info", "pack", "count_divergence"]
 # Which sources a kernel file was built from: a file from another pack version is not used.
 SOURCE_HASH = hashlib.sha256((_CUDA_SOURCE + _CPP_SOURCE + _SCAN_SOURCE).encode()).hexdigest()[:16]
 _ARCH = re.compile(r"(\d+)\.(\d+)([af]?)(\+PTX)?")
@@ -461,6 +578,15 @@ def probed_extension():
     if _mode is None:
         _report(copy_mode())
     return _kernel
+
+
+def _offered():
+    """(the library or None, its file or why not), for the shared decode-path code."""
+    kernel = extension()
+    return kernel, (kernel_path() if kernel is not None else copy_mode()[1])
+
+
+shared_library.offer(_offered)  # the broadcast's block and the divergence report's comparison (issue 26)
 
 
 def use_extension(enabled: bool) -> None:

@@ -83,9 +83,9 @@ def _compare_sync(every, wrapped, instance, args, kwargs):
     site, values = _site_and_values(*args, **kwargs)
     if not instance.enabled(site):
         return wrapped(*args, **kwargs)
-    mine = values.clone()
+    mine = divergence.copies((values,))  # sync broadcasts in place
     result = wrapped(*args, **kwargs)
-    divergence.observe(int(site), site.slug, (mine,), (result,), every)
+    divergence.observe(*divergence.label(site), mine, (result,), every)
     return result
 
 

@@ -22,9 +22,11 @@ def compare_broadcast(every, wrapped, instance, args, kwargs):
     family, site, *tensors = args
     if pack.group_of(family).world_size == 1:  # nothing is broadcast
         return wrapped(*args, **kwargs)
-    mine = [t.clone() for t in tensors]
-    result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or packed views
-    divergence.observe(int(site), site.slug, mine, result, every)
+    # A packed broadcast sends copies in one block and leaves the tensors as they were:
+    # they are this rank's own values. Otherwise they are overwritten in place: copy first.
+    mine = tensors if pack.keeps_inputs(tensors) else divergence.copies(tensors)
+    result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or the block's
+    divergence.observe(*divergence.label(site), mine, result, every)
     return result
 
 

@@ -1,13 +1,23 @@
 """Per-site divergence counters on the device, and their report (what tp_divergence's
 wrappers call).
 
-At a broadcast site each rank keeps the value it computed, lets the broadcast overwrite
-it with rank 0's, and `observe` adds to that site's row of a counter tensor on the
-value's device: [calls, calls that differed, elements that differed]. Only device ops:
+At a broadcast site each rank keeps the value it computed (`copies`, before an in-place
+broadcast; a packed broadcast leaves the inputs as they were), lets the broadcast
+overwrite it with rank 0's, and `observe` adds to that site's row of a counter tensor on
+the value's device: [calls, calls that differed, elements that differed]. Only device ops:
 no host synchronisation and no collective, so it records into a captured CUDA graph and
 counts on every replay. The counter tensor is allocated at the first call outside graph
 capture (sglang warms every captured region up eagerly first); a first call inside a
 capture is refused, since a tensor made there would be zeroed by every replay.
+
+On CUDA, where the pack's compiled kernel library serves (spectpsync.library), a site
+call costs one or two launches: the copy of every value the site broadcasts in place
+(`snapshot`: one launch into one block; none at a packed site) and one fused comparison
+(`count_divergence`: every (mine, theirs) pair compared bit for bit per element of the
+field's size, which is `ne` for the integer and bool values these sites broadcast, and
+[1, min(e, 1), e] added to the site's row). Elsewhere (the CPU, no kernel file, values it cannot take) torch ops
+serve: a clone per value, then ne, sum, clamp and one add per call, five to eight
+launches. Which one serves CUDA values is said once per process.
 
 Every `every` calls made from Python (a captured site replays without Python, so its
 replays reach the report at the next eager call), each device's counters are copied to
@@ -20,8 +30,10 @@ sglang_adapters:tp_divergence_calls_total, _diverged_calls_total, _diverged_elem
 from __future__ import annotations
 
 import atexit
+from typing import Optional
 
 from ..framework import log, metrics
+from ..spectpsync import library
 
 PREFIX = log.PREFIX
 ROWS = 32  # site numbers index the rows (upstream's run 1-17)
@@ -64,6 +76,55 @@ _tallies: dict = {}
 _slugs: dict[int, str] = {}  # site number -> slug, as the engine (or the pack) names it
 _calls = 0  # observe() calls made from Python, every site
 _started = False
+_reading = False  # a read of some device's counters is in flight
+_fused: Optional[tuple] = None  # (count_divergence, snapshot) of the kernel library, () for torch ops; None: undecided
+_use_kernel = True  # use_kernel() (tests, benchmarks)
+_said_torch: set = set()  # sites whose values the fused kernel could not take, said once each
+_labels: dict = {}  # id(site member) -> (number, slug): Enum's .name costs about a microsecond per read
+
+
+def label(site) -> tuple[int, str]:
+    """(number, slug) of a site (the engine's SpecTpSyncSite or the pack's Site member), read once."""
+    found = _labels.get(id(site))  # by identity: two enums may number the same site differently
+    if found is None:
+        found = _labels[id(site)] = (int(site), site.slug)
+    return found
+
+
+def use_kernel(enabled: bool) -> None:
+    """Compare CUDA values with the kernel library where it serves (the default), or with
+    torch ops (tests and benchmarks compare both); decided again, and said, at the next call."""
+    global _use_kernel, _fused
+    _use_kernel, _fused = bool(enabled), None
+
+
+def compare_mode() -> tuple[str, str]:
+    """("fused kernel", the kernel file) or ("torch ops", why) for CUDA values. The first
+    call loads the kernel file (a dlopen, no compile: spectpsync.library)."""
+    if not _use_kernel:
+        return ("torch ops", "switched off by use_kernel(False)")
+    kernel, detail = library.library()
+    return ("fused kernel" if kernel is not None else "torch ops", detail)
+
+
+def _decide_fused() -> tuple:
+    global _fused
+    mode, detail = compare_mode()
+    kernel = library.library()[0]
+    _fused = (kernel.count_divergence, kernel.snapshot) if mode == "fused kernel" else ()
+    # Probed at the first CUDA call, on the rank's own device; one line says which serves.
+    log.emit(f"tp_divergence compare: {mode} - {detail}", adapter="tp_divergence", compare=mode, detail=detail)
+    return _fused
+
+
+def copies(tensors) -> list:
+    """This rank's own values, kept before a broadcast overwrites them in place: on CUDA
+    one launch into one block for all of them where the kernel library serves, else clones."""
+    if tensors[0].is_cuda:
+        fused = _fused if _fused is not None else _decide_fused()
+        if fused:
+            return fused[1](tensors)
+    return [t.clone() for t in tensors]
 
 
 def calls() -> int:
@@ -92,31 +153,52 @@ def observe(number: int, slug: str, mine, theirs, every: int) -> None:
     """Count one call of site `number`: `mine` the values this rank computed (kept before
     the broadcast), `theirs` the same tensors after it (rank 0's)."""
     global _calls, _started
-    import torch
-
-    capturing = _capturing(theirs[0])
-    tally = _tally(theirs[0].device, capturing, f"{number}:{slug}")
-    differed = [torch.ne(a, b).sum() for a, b in zip(mine, theirs)]
-    elements = differed[0] if len(differed) == 1 else torch.stack(differed).sum()
-    tally.counts[number].add_(torch.clamp(elements, tally.floor, tally.ceiling))
+    first = theirs[0]
+    tally = _tallies.get(first.device)
+    if tally is None:
+        tally = _tally(first.device, _capturing(first), f"{number}:{slug}")
+    fused = (_fused if _fused is not None else _decide_fused()) if first.is_cuda else ()
+    if not (fused and fused[0](mine, theirs, tally.counts, number)):
+        if fused and number not in _said_torch:
+            _said_torch.add(number)
+            log.emit(f"tp_divergence compare: site {number}:{slug} with torch ops - the fused kernel takes up to 8 "
+                     "contiguous values of 1, 2, 4 or 8-byte elements on one GPU", adapter="tp_divergence",
+                     site=f"{number}:{slug}")
+        _count_with_torch(tally, number, mine, theirs)
     _slugs.setdefault(number, slug)
     if not _started:  # the rank, fixed now: at exit the process group may be gone
         _started = True
         log.set_process_label(log.process_label())
         atexit.register(flush)
     _calls += 1
-    if capturing:  # no copy or event query may be recorded into the graph
-        return
-    if any(t.in_flight for t in _tallies.values()):
-        _print_landed()
-    if _calls % every == 0:
-        for t in _tallies.values():
-            if not t.in_flight:
-                t.start_read()
-        _print_landed()
+    # Asked only where a read is due or in flight (torch's capture query costs host time at
+    # every call): no copy or event query may be recorded into a graph.
+    if (_reading or _calls % every == 0) and not _capturing(first):
+        if _reading:
+            _print_landed()
+        if _calls % every == 0:
+            _start_reads()
+            _print_landed()
+
+
+def _count_with_torch(tally, number, mine, theirs) -> None:
+    import torch
+
+    differed = [torch.ne(a, b).sum() for a, b in zip(mine, theirs)]
+    elements = differed[0] if len(differed) == 1 else torch.stack(differed).sum()
+    tally.counts[number].add_(torch.clamp(elements, tally.floor, tally.ceiling))
+
+
+def _start_reads() -> None:
+    global _reading
+    for t in _tallies.values():
+        if not t.in_flight:
+            t.start_read()
+    _reading = True
 
 
 def _print_landed(wait: bool = False) -> list[str]:
+    global _reading
     lines = []
     for tally in _tallies.values():
         if tally.in_flight and (wait or tally.landed()):
@@ -127,6 +209,7 @@ def _print_landed(wait: bool = False) -> list[str]:
             tally.reported.copy_(tally.host)
             lines += _lines(delta)
             _export(delta)
+    _reading = any(t.in_flight for t in _tallies.values())
     return lines
 
 
@@ -166,20 +249,24 @@ def totals() -> dict[str, list[int]]:
 
 
 def forget() -> None:
-    """Drop every device's counters (tests): the next call makes them anew."""
+    """Drop every device's counters and the comparison's decision (tests): the next call
+    makes them anew."""
+    global _reading, _fused
     _tallies.clear()
+    _reading, _fused = False, None
+    _said_torch.clear()
 
 
 def reset() -> None:
     """Zero the counters in place (a captured graph keeps writing the same tensors)."""
-    global _calls
+    global _calls, _reading
     for tally in _tallies.values():
         if tally.in_flight and tally.event is not None:
             tally.event.synchronize()
         tally.in_flight = False
         tally.counts.zero_()
         tally.reported.zero_()
-    _calls = 0
+    _calls, _reading = 0, False
 
 
 def _export(delta) -> None:

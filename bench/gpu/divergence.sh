@@ -3,9 +3,19 @@
 #   run(command="cd .wt15 && bash bench/gpu/divergence.sh", carry=[".wt15"])
 # tests/test_divergence_gpu.py and bench/divergence_cost.py (GPU mode), the pack from this tree and
 # sglang 0.5.23 from its sources (setup.sh); logs and JSON under $OUT. BENCH_ARGS go to the benchmark.
+# The kernel library (the report's fused comparison, issue 26) is built first with the image's own
+# command into /opt/sglang-dsv41 and named by SGLANG_ADAPTERS_SNAPSHOT_KERNEL (KERNEL=0: not built).
 set -uo pipefail
 source .gpu/setup.sh
 export PYTHONPATH=$PWD:$ENGINE_PATH
+export SGLANG_ADAPTERS_SNAPSHOT_KERNEL=/opt/sglang-dsv41/dsv41_accept_snapshot.so
+chmod -R u+w /opt/sglang-dsv41 2>/dev/null; rm -f $SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # a warm machine's last build
+if [ "${KERNEL:-1}" != 0 ]; then
+  timeout -k 10 120 env MAX_JOBS=16 python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build --allow-clones 0 \
+    2>&1 | tee $OUT/kernel_build.log | tail -3
+else
+  unset SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # the default path is gone too: the old paths serve, the tests expect them
+fi
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
   python3 -c "import torch,sys;print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 } 2>&1 | tee $OUT/divergence_env.txt

@@ -2,12 +2,17 @@
 # filled (this tree + .gpu/ .whl/ .dist/):
 #   bash bench/gpu/bundle.sh            (in /work/main, after merging)
 #   run(command="bash bench/gpu/tp_nccl.sh", carry=[".gpu", ".whl", ".dist"], kind="nvidia-h200-x2")
-# tests/test_tp_nccl.py (its NCCL tests; world = every visible GPU) and bench/tp_nccl_cost.py,
+# tests/test_tp_nccl.py (its NCCL tests; world = every visible GPU), tests/test_divergence_gpu.py
+# (one GPU: the report's fused comparison and the block against the torch paths) and bench/tp_nccl_cost.py,
 # the pack from this tree and sglang 0.5.23 from its sources (setup.sh); the test's 0.5.18 ranks put
 # ENGINE18_PATH (0.5.18's sources and pins, setup.sh) first on sys.path. Logs and JSON under $OUT;
 # PYTEST_K narrows the tests (default: every NCCL one), BENCH=0 skips the benchmark.
+# The kernel library (the fence's copy, the broadcast's one-launch block, the divergence report's
+# fused comparison: issue 26) is built first with the image's own command and default archs into
+# /opt/sglang-dsv41; SGLANG_ADAPTERS_SNAPSHOT_KERNEL names it to every spawned rank (KERNEL=0: not
+# built, the old paths serve and say so).
 # NVLink multicast stays off in every process (here, and again in each spawned rank).
-# Every step has a time limit, so the whole script ends within about 6 minutes.
+# Every step has a time limit, so the whole script ends within about 8 minutes.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source .gpu/setup.sh
@@ -18,10 +23,20 @@ export PYTHONPATH=$PWD:$ENGINE_PATH
   env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)='
 } 2>&1 | tee $OUT/tp_nccl_env.txt
 echo "ENGINE18_PATH=${ENGINE18_PATH:-<unset: the 0.5.18 test skips>}" | tee -a $OUT/tp_nccl_env.txt
-timeout -k 10 220 python3 -m pytest tests/test_tp_nccl.py -k "${PYTEST_K:-not gloo}" -q -rA -p no:cacheprovider 2>&1 \
+export SGLANG_ADAPTERS_SNAPSHOT_KERNEL=/opt/sglang-dsv41/dsv41_accept_snapshot.so
+chmod -R u+w /opt/sglang-dsv41 2>/dev/null; rm -f $SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # a warm machine's last build
+if [ "${KERNEL:-1}" != 0 ]; then
+  timeout -k 10 120 env MAX_JOBS=16 python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build --allow-clones 0 \
+    2>&1 | tee $OUT/kernel_build.log | tail -3
+else
+  unset SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # the default path is gone too: the old paths serve, the tests expect them
+fi
+python3 -c "import sglang_dsv41_adapters.folded_fence.accept_snapshot; from sglang_dsv41_adapters.spectpsync import broadcast as b; from sglang_dsv41_adapters.tp_divergence import divergence as d; print('packing:', b.packing_mode(), 'compare:', d.compare_mode())" \
+  2>&1 | tail -1 | tee -a $OUT/tp_nccl_env.txt
+timeout -k 10 200 python3 -m pytest tests/test_tp_nccl.py tests/test_divergence_gpu.py -k "${PYTEST_K:-not gloo}" -q -rA -p no:cacheprovider 2>&1 \
   | tee $OUT/test_tp_nccl.log | tail -40
 echo "pytest rc=${PIPESTATUS[0]}"
 [ "${BENCH:-1}" = 0 ] && exit 0
-timeout -k 10 200 python3 bench/tp_nccl_cost.py --timeout 185 ${BENCH_ARGS:-} --json $OUT/tp_nccl_cost.json 2>&1 \
-  | tee $OUT/tp_nccl_cost.txt | grep -v -i warn | tail -90
+timeout -k 10 240 python3 bench/tp_nccl_cost.py --timeout 225 ${BENCH_ARGS:-} --json $OUT/tp_nccl_cost.json 2>&1 \
+  | tee $OUT/tp_nccl_cost.txt | grep -v -i warn | tail -130
 echo "bench rc=${PIPESTATUS[0]}"
