@@ -2,8 +2,9 @@
 
     PYTHON harness/_zygote.py SOCKET
 
-A request is one JSON line {"args", "env", "cwd"} with three file descriptors (the child's
-stdin, stdout and stderr); the reply is the child's pid, then its exit status (negative: the
+A request is one JSON line {"args", "env", "cwd", "fds"} with the child's stdin, stdout and
+stderr, then one descriptor for each number in "fds" (optional: the pipes a multiprocessing
+spawn child inherits, kept at their numbers); the reply is the child's pid, then its exit status (negative: the
 signal that ended it), each on a line. Single-threaded, so that every fork is of a process
 with one thread.
 """
@@ -14,6 +15,7 @@ if sys.path and sys.path[0] == __import__("os").path.dirname(__file__):
     del sys.path[0]  # run by path: its own folder is not the children's first import path
 
 import atexit
+import fcntl
 import importlib
 import json
 import os
@@ -61,16 +63,21 @@ def _exit_code(code) -> int:
 
 
 def child(request: dict, fds: list) -> None:
-    """Become `python ARGS` in the request's environment, working directory and streams."""
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
+    """Become `python ARGS` in the request's environment, working directory and descriptors."""
+    targets = [0, 1, 2, *request.get("fds", ())]
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]  # out of every target's way
     for fd in set(fds):
-        if fd > 2:
-            os.close(fd)
+        os.close(fd)
+    for target, fd in zip(targets, high):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     args = request["args"]
+    while args[0] == "-B":  # what a spawn child's command line carries from a parent run with -B
+        sys.dont_write_bytecode = True
+        args = args[1:]
     code = 0
     try:
         if args[0] == "-m":
@@ -103,13 +110,16 @@ def child(request: dict, fds: list) -> None:
 
 
 def _request(conn: socket.socket):
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 64)
     while not data.endswith(b"\n"):
         more = conn.recv(1 << 16)
         if not more:
             raise ConnectionError("the request ended early")
         data += more
     return json.loads(data), fds
+
+
+STARTED_WITH = dict(os.environ)
 
 
 def serve(address: str) -> None:
@@ -119,7 +129,9 @@ def serve(address: str) -> None:
     listener.settimeout(0.05)
     parent = os.getppid()
     waiting = {}  # pid -> the connection its status goes back on
-    open(address + ".ready", "w").close()
+    with open(address + ".starting", "w") as ready:  # what importing the engine set in os.environ
+        json.dump({k: v for k, v in os.environ.items() if STARTED_WITH.get(k) != v}, ready)
+    os.replace(address + ".starting", address + ".ready")
     while os.getppid() == parent:  # the test process that started us is gone: so are we
         try:
             conn, _ = listener.accept()

@@ -7,7 +7,9 @@ child per command; the child takes the command's environment, working directory,
 and standard streams, and runs `python -m MODULE`, `python SCRIPT` or `python -c CODE` as a
 fresh interpreter would (atexit handlers, exit status, a traceback on an uncaught error).
 
-`run` and `popen` stand in for subprocess.run and subprocess.Popen. A zygote serves only
+`run` and `popen` stand in for subprocess.run and subprocess.Popen, and `warm_spawn` makes a
+multiprocessing spawn context start its children (`python -c 'from multiprocessing.spawn import
+spawn_main; ...' --multiprocessing-fork`, with the pipes it passes) from a zygote. A zygote serves only
 children whose environment matches its own in everything that shapes imports: any variable
 may differ only if it is read when the command runs (LATE), so a different PYTHONPATH, an
 SGLANG_ variable or an injected Kubernetes variable gets a zygote of its own. Anything the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -35,8 +38,10 @@ from .engines import ROOT
 
 # Read by the pack or the command when it runs, never while the engine imports (the multicast
 # switches of harness.nccl.NO_MULTICAST when NCCL and symmetric memory start).
+# COLUMNS and LINES: a terminal library of the test process may put them in its C environment
+# (what a spawned child inherits) without os.environ knowing; only a terminal's width reads them.
 LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "PYTEST_CURRENT_TEST",
-        "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+        "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "COLUMNS", "LINES")
 LATE_PREFIXES = ("DSV41_",)
 KEEP = 6  # warm parents per test process (about 0.9 GB each); the least recently used one goes first
 
@@ -59,22 +64,36 @@ class _Zygote:
             self.proc = subprocess.Popen([interpreter, server, self.address], cwd=ROOT, env=env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self.ready = False
+        self.early = env
+        self.defaults: dict = {}  # what importing the engine set in the zygote's os.environ (setdefault)
 
     def connect(self) -> socket.socket:
+        self.wait_ready()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.address)
+        return conn
+
+    def wait_ready(self) -> None:
+        """Until the zygote listens; Unavailable if it exited (its engine does not import here)."""
         deadline = time.monotonic() + 300
         while not self.ready:
             if self.proc.poll() is not None:  # the engine does not import here: the command will say why
                 with open(self.log, errors="replace") as log:
                     raise Unavailable(f"the zygote exited {self.proc.returncode}: {log.read()[-2000:]}")
             if os.path.exists(self.address + ".ready"):
+                with open(self.address + ".ready") as ready:
+                    self.defaults = json.load(ready)
                 self.ready = True
             elif time.monotonic() > deadline:
                 raise RuntimeError("the zygote did not start within 300 s")
             else:
                 time.sleep(0.05)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.address)
-        return conn
+
+    def serves(self, early: dict) -> bool:
+        """Whether `early` is this zygote's environment once the variables importing the engine
+        sets to the same values are left aside (a test process that has imported the engine has
+        them; sglang sets its cache folders with os.environ.setdefault)."""
+        return self.ready and _without(early, self.defaults) == _without(self.early, self.defaults)
 
     def close(self) -> None:
         self.proc.kill()
@@ -86,13 +105,18 @@ _warm: "collections.OrderedDict[tuple, _Zygote]" = collections.OrderedDict()
 _lock = threading.Lock()
 
 
+def _without(env: dict, defaults: dict) -> dict:
+    return {k: v for k, v in env.items() if defaults.get(k) != v}
+
+
 def _zygote_for(interpreter: str, env: dict) -> _Zygote:
     early = _early(env)
     key = (interpreter, tuple(sorted(early.items())))
     with _lock:
-        if key in _warm:
-            _warm.move_to_end(key)
-            return _warm[key]
+        found = key if key in _warm else next((k for k, z in _warm.items() if k[0] == interpreter and z.serves(early)), None)
+        if found is not None:
+            _warm.move_to_end(found)
+            return _warm[found]
         while len(_warm) >= KEEP:
             _warm.popitem(last=False)[1].close()
         _warm[key] = _Zygote(interpreter, early)
@@ -246,3 +270,68 @@ def run(args, *, capture_output=False, timeout=None, input=None, check=False, **
     if check:
         done.check_returncode()
     return done
+
+
+# The executable a multiprocessing spawn context runs, standing in for the interpreter: it hands
+# its arguments, environment, working directory and every descriptor it inherited (the standard
+# streams and the pipes multiprocessing passes) to the zygote, forwards signals to the child, and
+# exits as the child did. An environment that differs in what shapes imports from the zygote's
+# (the test changed one after warm_spawn began) gets the interpreter itself.
+_TRAMPOLINE = r"""#!{python} -S
+import json, os, signal, socket, sys
+ADDRESS, PYTHON, EARLY, DEFAULTS, LATE, PREFIXES = {address!r}, {python!r}, {early!r}, {defaults!r}, {late!r}, {prefixes!r}
+early = {{k: v for k, v in os.environ.items() if k not in LATE and not k.startswith(PREFIXES) and DEFAULTS.get(k) != v}}
+if early != EARLY:
+    os.execv(PYTHON, [PYTHON, *sys.argv[1:]])
+fds = [0, 1, 2]
+for name in os.listdir("/proc/self/fd"):
+    fd = int(name)
+    if fd > 2:
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+conn.connect(ADDRESS)
+request = dict(args=sys.argv[1:], env=dict(os.environ), cwd=os.getcwd(), fds=fds[3:])
+socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
+reply = conn.makefile("r")
+pid = int(reply.readline())
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, lambda number, frame: os.kill(pid, number))
+line = reply.readline()
+code = int(line) if line.strip() else -signal.SIGKILL
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+os._exit(code)
+"""
+
+
+@contextlib.contextmanager
+def warm_spawn(context):
+    """Inside, the multiprocessing spawn `context` starts its children from a warm parent for the
+    current environment (set it first: the children inherit os.environ at start()). The child is
+    what a spawn child is (spawn_main, the pickled target, the parent's pipes), only its interpreter
+    started with the engine imported. Without a parent for this environment, the interpreter itself."""
+    from multiprocessing import spawn
+
+    before = spawn.get_executable()
+    try:
+        zygote = _zygote_for(sys.executable, dict(os.environ))
+        zygote.wait_ready()
+    except Unavailable:
+        yield
+        return
+    path = os.path.join(zygote.folder, "python")
+    if not os.path.exists(path):
+        with open(path, "w") as script:
+            script.write(_TRAMPOLINE.format(python=sys.executable, address=zygote.address, late=LATE, prefixes=LATE_PREFIXES,
+                                            early=_without(zygote.early, zygote.defaults), defaults=zygote.defaults))
+        os.chmod(path, 0o755)
+    context.set_executable(path)
+    try:
+        yield
+    finally:
+        context.set_executable(before)

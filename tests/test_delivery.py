@@ -98,7 +98,8 @@ def test_what_discovery_says_is_what_a_real_rank_does(value):
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     child = context.Process(target=rank_loads, args=(value, results))
-    child.start()
+    with zygote.warm_spawn(context):  # the engine imported, the pack not: as a rank before its loader runs
+        child.start()
     child.join(timeout=180)
     assert child.exitcode == 0
     guarded = results.get(timeout=5) == ["pack-guard"]

@@ -11,6 +11,7 @@ import pytest
 
 from sglang_dsv41_adapters import ADAPTERS
 from sglang_dsv41_adapters.framework import metrics, runtime
+from harness import zygote
 from harness.engines import metric_samples, served_metrics
 
 ROUTE = "DSparkWorkerV2Output.next_draft_input.accept_lens <- DsparkVerifyEpilogue.commit_lens_buf"
@@ -49,8 +50,9 @@ def served(tmp_path_factory):
     os.environ.update(PROMETHEUS_MULTIPROC_DIR=str(folder), DSV41_FOLDED_FENCE="1", DSV41_SPEC_TP_SYNC="all")
     try:
         children = [context.Process(target=rank_process, args=(rank,)) for rank in range(RANKS)]
-        for child in children:
-            child.start()
+        with zygote.warm_spawn(context):  # one warm parent for the three (harness.zygote)
+            for child in children:
+                child.start()
         for child in children:
             child.join(timeout=240)
     finally:

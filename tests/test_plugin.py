@@ -2,7 +2,9 @@
 
 Each case runs in a real `multiprocessing` spawn child (the start method the engine
 uses for its TP ranks), which calls sglang's `load_plugins()` and then constructs the
-engine's `Scheduler`, as `run_scheduler_process` does. The adapters are applied at
+engine's `Scheduler`, as `run_scheduler_process` does. The first case's child is a fresh
+interpreter; the others start from a warm parent that has imported the engine, not the pack
+(harness.zygote.warm_spawn), as a rank has imported the scheduler module before its loader runs. The adapters are applied at
 the start of `Scheduler.__init__`; the rest of that constructor is not run here (it
 fails on the placeholder arguments, after the adapters have been applied).
 """
@@ -10,6 +12,7 @@ fails on the placeholder arguments, after the adapters have been applied).
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import json
 import multiprocessing
@@ -18,6 +21,7 @@ import pytest
 
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import runtime
+from harness import zygote
 
 
 # A second engine module that binds the fenced method before the pack applies.
@@ -61,7 +65,7 @@ def rank_process(doctor_engine, tmp_dir: str, results, server_argv=None) -> None
     results.put(("patched", sorted(f"{s.adapter}:{s.name}" for s in patching.applied())))
 
 
-def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False, server_argv=None):
+def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False, server_argv=None, fresh=False):
     if flag is None:
         monkeypatch.delenv(folded_fence.FLAG, raising=False)
     else:
@@ -69,7 +73,8 @@ def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False, server_argv=Non
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     child = context.Process(target=rank_process, args=(doctor_engine, str(tmp_path), results, server_argv))
-    child.start()
+    with contextlib.nullcontext() if fresh else zygote.warm_spawn(context):
+        child.start()
     child.join(timeout=180)
     assert not child.is_alive(), "the spawned rank hung"
     found = {}
@@ -80,7 +85,7 @@ def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False, server_argv=Non
 
 
 def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_path, capfd):
-    code, found = spawn_rank(monkeypatch, "1", tmp_path)
+    code, found = spawn_rank(monkeypatch, "1", tmp_path, fresh=True)
     assert code == 0
     assert "constructor" in found
     assert found["patched"] == ["folded_fence:_block_accept_lens", "folded_fence:accept_and_finalize",
