@@ -182,10 +182,12 @@ class _Parallel:
             setattr(_worker(), name, reader)
 
 
-def draft_case(rank, world, nccl, n, skewed, paths=tuple(PATHS), variants=("off", "on", "on_report"), timing=0):
+def draft_case(rank, world, nccl, n, skewed, paths=tuple(PATHS), variants=("off", "on", "on_report"), timing=0,
+               capture_samplers=True):
     """Per path and variant: the steps after which this rank held another block than rank 0,
     collectives the pack issued at the site, divergence totals (on_report), and, with
-    `timing`, the median seconds per step of the path and of a bare broadcast of its block."""
+    `timing`, the median seconds per step of the path and of a bare broadcast of its block
+    (`capture_samplers` False: the samplers run eagerly on GPUs too)."""
     import torch._dynamo
 
     from sglang_dsv41_adapters.spectpsync import broadcast as pack
@@ -209,8 +211,9 @@ def draft_case(rank, world, nccl, n, skewed, paths=tuple(PATHS), variants=("off"
             for name in paths:
                 out["paths"][name] = {}
                 for variant in variants:
-                    out["paths"][name][variant] = _run(rank, world, group, device, nccl, name, environs[variant],
-                                                       n, skewed, timing, pack, divergence, Site)
+                    captured = nccl and capture_samplers and name in CAPTURED
+                    out["paths"][name][variant] = _run(rank, world, group, device, nccl, captured, name,
+                                                       environs[variant], n, skewed, timing, pack, divergence, Site)
     finally:
         pack.reset()
         divergence.reset()
@@ -218,14 +221,14 @@ def draft_case(rank, world, nccl, n, skewed, paths=tuple(PATHS), variants=("off"
     return out
 
 
-def _run(rank, world, group, device, nccl, name, environ, n, skewed, timing, pack, divergence, Site):
+def _run(rank, world, group, device, nccl, captured, name, environ, n, skewed, timing, pack, divergence, Site):
     states = _configure(environ)
     pack.reset()
     pack.bind_group(pack.DFLASH, group)  # what DFlashWorkerV2.__init__ records through the adapter
     load, region, block = PATHS[name](rank, world, group, device, n)
     load(0, False)
     region()  # the warm-up before capture (makes the divergence counters)
-    graph = capture(group, region, nccl) if name in CAPTURED else None
+    graph = capture(group, region, nccl) if captured else None
     at_capture = pack.COUNTS[Site.PACK_DFLASH_DRAFT_GREEDY]
     divergence.reset()
     rows = []

@@ -43,7 +43,7 @@ from .before_0_5_19 import DFLASH_WORKER, DRAFT, DRAFT_SAMPLER, DSPARK_WORKER, H
 # (module, required); spec_tp_sync exists from 0.5.19 (then superseded).
 CLASS = upstream_sync.CLASS
 TARGETS = ((upstream_sync.MODULE, False), (DRAFT, True), (DRAFT_SAMPLER, False), (VERIFY, True),
-           (DSPARK_WORKER, True), (DFLASH_WORKER, True), (dflash_draft.LILICORR, False))
+           (DSPARK_WORKER, True), (DFLASH_WORKER, True))
 
 
 def parse(environ: Mapping[str, str] = os.environ) -> frozenset:
@@ -126,7 +126,7 @@ def check(engine, setting: frozenset, context) -> Plan:
         plans.append(before_0_5_19.plan(engine, modules, upstream, _memory_off(context)))
     if own:
         recorded = any(p.where == "DFlashWorkerV2.__init__" for plan in plans for p in plan.patches)
-        plans.append(dflash_draft.plan(modules, recorded))
+        plans.append(dflash_draft.plan(engine, modules, recorded))
     return plans[0] if len(plans) == 1 else combine(NAME, engine.version, plans)
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import ast
 import textwrap
 
-from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract
+from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
 from ..framework.plan import Hook, Patch, Plan, check_hook
 from ..spectpsync import broadcast as pack
 from ..spectpsync.broadcast import DFLASH, bind_group, resolve_group
@@ -207,9 +207,9 @@ def _check_samplers(contract: Contract, hook: Hook) -> None:
         raise contract.refuse(hook.binding, "no longer writes its block to self.out[:bs * (block_size - 1)]")
 
 
-def plan(modules: dict, recorded: bool) -> Plan:
-    """The site's patches on this release (`recorded`: another plan already records the
-    DFlash group in DFlashWorkerV2.__init__)."""
+def plan(engine, modules: dict, recorded: bool) -> Plan:
+    """The site's patches on this release (`modules`: rank0_broadcast's target modules;
+    `recorded`: another plan already records the DFlash group in DFlashWorkerV2.__init__)."""
     worker = Contract(NAME, modules[WORKER])
     paths = [p for p in PATHS if p.marker is None or _defined(worker, p.marker)]
     _check_proposals(worker, paths)
@@ -217,10 +217,8 @@ def plan(modules: dict, recorded: bool) -> Plan:
     patches: list[Patch] = [] if recorded else [check_hook(worker, RECORDER)]
     for path in paths:
         for hook in path.hooks:
-            if hook.module not in modules:
-                raise worker.refuse(path.marker, f"is here but {hook.module} is missing: the {path.name}'s captured "
-                                                 "proposal is not covered")
-            contract = worker if hook.module == WORKER else Contract(NAME, modules[hook.module])
+            module = modules.get(hook.module) or target_modules(NAME, engine, ((hook.module, True),))[hook.module]
+            contract = worker if hook.module == WORKER else Contract(NAME, module)
             patches.append(check_hook(contract, hook))
             if hook.wrapper is _captured_block:
                 _check_samplers(contract, hook)

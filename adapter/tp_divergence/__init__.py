@@ -42,7 +42,7 @@ SUMMARY = "count, per rank-0 broadcast site and rank, the calls where this rank'
 CHECK_VALUE = "1"  # the setting doctor's engine check and the compatibility matrix use
 # Judged with the pack's broadcast at its broadest setting: without it there is nothing to
 # compare on 0.5.16 - 0.5.18, so the engine check would say nothing about the engine.
-CHECK_WITH = {"rank0_broadcast": "all"}
+CHECK_WITH = {"rank0_broadcast": "all,pack-dflash-draft-greedy"}
 # Site calls between two reads of the counters; a read costs one copy to pinned host
 # memory and no wait (bench/divergence_cost.py).
 DEFAULT_EVERY = 1000
