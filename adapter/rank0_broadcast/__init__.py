@@ -132,12 +132,18 @@ def check(engine, setting: frozenset, context) -> Plan:
 
 LEDGER = Ledger(
     why="each TP rank takes DSpark/DFlash decisions on its own (draft tokens, accept triple, prefill tokens, DFlash "
-        "accept); one rank deciding differently makes the ranks commit different token counts and hang",
-    upstream_issue="sgl-project/sglang SpecTpSync (the per-site rank-0 broadcast, SGLANG_SPEC_TP_SYNC)",
-    fixes=(UpstreamFix("SpecTpSync (sglang.srt.speculative.spec_tp_sync), every site broadcast from rank 0", "0.5.19"),),
-    retire_when="no supported release is older than 0.5.19: then only the hand-over to SGLANG_SPEC_TP_SYNC is left, "
-                "which users can set themselves",
+        "accept, DFlash greedy draft); one rank deciding differently makes the ranks commit different token counts "
+        "and hang",
+    upstream_issue="sgl-project/sglang SpecTpSync (the per-site rank-0 broadcast, SGLANG_SPEC_TP_SYNC); "
+                   "sgl-project/sglang#40246 (the DFlash greedy draft, the pack's own site 31)",
+    # SpecTpSync (0.5.19) does upstream's sites; no release broadcasts site 31's decision, so at its
+    # broadest setting the adapter is superseded nowhere.
+    fixes=(UpstreamFix("sgl-project/sglang#40246 (DFlash greedy draft, site 31) on top of SpecTpSync "
+                       "(sglang.srt.speculative.spec_tp_sync, 0.5.19: every other site)", None),),
+    retire_when="no supported release is older than 0.5.19 and every one carries #40246: then only the hand-over to "
+                "SGLANG_SPEC_TP_SYNC is left, which users can set themselves",
     legacy={"before_0_5_19.py": "0.5.16-0.5.18"},
+    legacy_until="0.5.19",  # the engine's own SpecTpSync, which the upstream sites are handed to from then on
 )
 SURFACE = Surface(
     name=NAME, flag=FLAG, summary=SUMMARY, parse=parse, check=check, check_value=CHECK_VALUE, ledger=LEDGER,
