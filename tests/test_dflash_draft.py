@@ -188,3 +188,29 @@ def test_refused_on_doctored_0523(module, old, new, symbol, monkeypatch):
     assert drift.symbol in outcome.reason, outcome.reason
     # the engine's own sites alone are unaffected by the drift of a DFlash draft path
     assert runtime.decide({r.FLAG: "all"}, drift.engine(), names=(r.NAME,)).outcomes[0].state == runtime.SUPERSEDED
+
+
+def test_group_on_0523_is_the_one_the_engines_spec_tp_sync_was_built_over(monkeypatch):
+    """The recorder put on DFlashWorkerV2.__init__ (0.5.19+) binds, once __init__ has run, the
+    group of the worker's own SpecTpSync (the real class), over which the engine's DFlash sites go."""
+    import types
+
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+    from sglang_dsv41_adapters.spectpsync import broadcast as pack
+
+    monkeypatch.delenv(r.upstream_sync.ENGINE_FLAG, raising=False)
+    decision = runtime.decide({r.FLAG: "pack-dflash-draft-greedy"}, names=(r.NAME,))
+    (recorder,) = [p.wrapper for p in decision.plans[r.NAME].patches if p.where == "DFlashWorkerV2.__init__"]
+    group, worker = types.SimpleNamespace(world_size=2, rank_in_group=1), types.SimpleNamespace()
+
+    def init():
+        with pytest.raises(RuntimeError):  # nothing bound while __init__ runs
+            pack.group_of(pack.DFLASH)
+        worker._tp_sync = SpecTpSync(group)
+
+    pack.reset()
+    try:
+        recorder(init, worker, (), {})
+        assert pack.group_of(pack.DFLASH) is group
+    finally:
+        pack.reset()

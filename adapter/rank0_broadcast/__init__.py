@@ -126,7 +126,7 @@ def check(engine, setting: frozenset, context) -> Plan:
         plans.append(before_0_5_19.plan(engine, modules, upstream, _memory_off(context)))
     if own:
         recorded = any(p.where == "DFlashWorkerV2.__init__" for plan in plans for p in plan.patches)
-        plans.append(dflash_draft.plan(engine, modules, recorded))
+        plans.append(dflash_draft.plan(engine, modules, recorded, upstream_sync.MODULE in modules))
     return plans[0] if len(plans) == 1 else combine(NAME, engine.version, plans)
 
 

@@ -31,8 +31,9 @@ check refuses a release where another producer appears):
 
 Captured samplers broadcast inside the draft graph (recorded at capture, as upstream's
 DSpark draft sites are); eager paths broadcast the block they return. The broadcast is the
-pack's (spectpsync.broadcast) over the group DFlashWorkerV2.__init__ resolved, on every
-release: on 0.5.19+ beside the engine's own SpecTpSync sites, which it does not touch.
+pack's (spectpsync.broadcast), on every release: over the group DFlashWorkerV2.__init__
+resolves on 0.5.16 - 0.5.18, and on 0.5.19+ over the group the worker built its own
+SpecTpSync over, beside the engine's sites, which it does not touch.
 """
 
 from __future__ import annotations
@@ -89,9 +90,19 @@ def _plain_head(wrapped, instance, args, kwargs):
 
 
 def _record_group(wrapped, instance, args, kwargs):
-    """Resolve the DFlash group once, in the worker's __init__, outside the draft context."""
+    """0.5.16 - 0.5.18: resolve the DFlash group once, in the worker's __init__, outside the
+    draft context (upstream's rule, as the pack's other DFlash sites there)."""
     bind_group(DFLASH, resolve_group())
     return wrapped(*args, **kwargs)
+
+
+def _engine_group(wrapped, instance, args, kwargs):
+    """0.5.19+: the group the worker built its own SpecTpSync over (the group that runs one
+    batch, shown by upstream_sync.worker_groups), kept once __init__ has run; nothing proposes
+    a draft before it returns (capture and the selector warm-up run in init_cuda_graphs)."""
+    result = wrapped(*args, **kwargs)
+    bind_group(DFLASH, instance._tp_sync._tp_group)
+    return result
 
 
 # ---------------------------------------------------------------- declaration
@@ -100,6 +111,7 @@ K, P = KEYWORD_ONLY, POSITIONAL
 SAMPLER_PARAMS = {"self": P, "hidden_states": P, "input_ids": P}
 TAG = frozenset({SITE})
 RECORDER = Hook(WORKER, INIT, _record_group, {"self": P}, tag=TAG)
+ENGINE_GROUP = Hook(WORKER, INIT, _engine_group, {"self": P}, tag=TAG)
 PLAIN = Hook(WORKER, "DFlashWorkerV2._greedy_sample_from_vocab_parallel_head", _plain_head,
              {"hidden_states": K, "lm_head": K}, tag=TAG)
 SELECTOR = (Hook(WORKER, "_SelectorDraftSampler.__call__", _captured_block, SAMPLER_PARAMS, tag=TAG),
@@ -207,14 +219,15 @@ def _check_samplers(contract: Contract, hook: Hook) -> None:
         raise contract.refuse(hook.binding, "no longer writes its block to self.out[:bs * (block_size - 1)]")
 
 
-def plan(engine, modules: dict, recorded: bool) -> Plan:
+def plan(engine, modules: dict, recorded: bool, engine_sync: bool) -> Plan:
     """The site's patches on this release (`modules`: rank0_broadcast's target modules;
-    `recorded`: another plan already records the DFlash group in DFlashWorkerV2.__init__)."""
+    `recorded`: another plan already records the DFlash group in DFlashWorkerV2.__init__;
+    `engine_sync`: the release has SpecTpSync, shown to be built over the batch group)."""
     worker = Contract(NAME, modules[WORKER])
     paths = [p for p in PATHS if p.marker is None or _defined(worker, p.marker)]
     _check_proposals(worker, paths)
     _check_gathered(worker)
-    patches: list[Patch] = [] if recorded else [check_hook(worker, RECORDER)]
+    patches: list[Patch] = [] if recorded else [check_hook(worker, ENGINE_GROUP if engine_sync else RECORDER)]
     for path in paths:
         for hook in path.hooks:
             module = modules.get(hook.module) or target_modules(NAME, engine, ((hook.module, True),))[hook.module]
