@@ -261,11 +261,14 @@ def _run(rank, world, group, device, nccl, captured, name, environ, n, skewed, t
 
 def _time(group, graph, region, block, repeats, nccl):
     """Median seconds per step: the path (replayed when captured) and a bare broadcast of its block."""
+    import torch.distributed as dist
+
     def median(action):
         times = []
         for _ in range(repeats):
             if nccl:
                 torch.cuda.synchronize()
+            dist.barrier(group=group.cpu_group)  # the ranks start each step together: no wait for a late one
             start = time.perf_counter()
             action()
             if nccl:
