@@ -59,5 +59,6 @@ def test_doctor_strict_fails_when_ranks_would_skip_the_plugin():
     rows = {line.split()[0]: line.split() for line in table.splitlines()[2:] if line.strip() and "  " in line}
     assert rows["adapter"] == ["adapter", "flag", "value", "outcome", "engine", "check"]
     assert rows["folded_fence"] == ["folded_fence", "DSV41_FOLDED_FENCE", "'on'", "applied", "applied"]
-    assert rows["rank0_broadcast"] == ["rank0_broadcast", "DSV41_SPEC_TP_SYNC", "<unset>", "off", "superseded"]
+    # engine check: the engine's sites handed over, the pack's own 31:pack-dflash-draft-greedy patched beside them
+    assert rows["rank0_broadcast"] == ["rank0_broadcast", "DSV41_SPEC_TP_SYNC", "<unset>", "off", "applied"]
     assert "SGLANG_PLUGINS='some_other_plugin' does not list the pack's plugin 'dsv41_adapters'" in table

@@ -21,6 +21,13 @@ torch.multiprocessing (tests/tp_nccl_cases.py).
    unpatched the ranks decide differently whether to capture the DSpark draft graph (the test
    fails if they do not); with DSV41_GROUP_MIN_MEM=1 decided for that topology they agree.
 
+5. Issue 23: the pack's own site 31:pack-dflash-draft-greedy (tests/dflash_draft_cases.py) on
+   sglang 0.5.23's own DFlash draft code: `_DominoDraftSampler.__call__` and
+   `_SelectorDraftSampler.__call__` captured in CUDA graphs as the engine's draft graph runs them
+   (the broadcast recorded inside), the eager plain head without shard_indices, rank 1 skewed in
+   k of n steps: off, rank 1's blocks differ in exactly those steps (the test fails if they do
+   not); on, every rank holds rank 0's block; the divergence report counts k at row 31.
+
 The GPU tests are skipped without 2 CUDA GPUs. The same rank code runs here on gloo with
 2 and 4 CPU processes (each replay an eager call: nothing is captured), so its counting
 and value checks are exercised without a GPU (3 on 2 ranks: eagerly, with the Triton-only
@@ -37,7 +44,7 @@ import re
 import pytest
 import torch
 
-from tests import tp18_cases
+from tests import dflash_draft_cases, tp18_cases
 from harness.engines import ENGINE_PATHS
 from harness.nccl import spawn_ranks
 from tests.tp_nccl_cases import BS
@@ -197,6 +204,29 @@ def test_nccl_group_min_memory_dp_attention():
         assert [run["dflash_capture"] for run in runs] == [False, False]  # eager draft under DP attention
 
 
+def check_dflash_draft(ranks, captured):
+    k, key = len(SKEWED), "31:pack-dflash-draft-greedy"
+    for rank, result in enumerate(ranks):
+        for name, path in result["paths"].items():
+            assert all(v["captured"] == (captured and name in dflash_draft_cases.CAPTURED) for v in path.values()), name
+            assert path["off"]["steps_off"] == (SKEWED if rank == 1 else []), (rank, name, path["off"])
+            assert path["on"]["steps_off"] == [] == path["on_report"]["steps_off"], (rank, name)
+            # one broadcast per step, Python-counted: a captured sampler records it once, at capture
+            per_step = 0 if path["on"]["captured"] else 1
+            assert path["on"]["collectives"] == N * per_step, (rank, name, path["on"])
+            assert path["on"]["collectives_at_capture"] >= 1 and path["off"]["collectives_at_capture"] == 0
+            diverged = [N, k] if rank == 1 else [N, 0]
+            assert path["on_report"]["totals"][key][:2] == diverged, (rank, name, path["on_report"]["totals"])
+
+
+@needs_gpus
+def test_nccl_dflash_draft_in_graphs():
+    ranks = spawn_ranks(2, "tests.dflash_draft_cases:draft_case", nccl=True, timeout=NCCL18_TIMEOUT,
+                        kwargs={"n": N, "skewed": SKEWED, "paths": ["domino", "selector", "plain_local"]})
+    report_group(ranks)
+    check_dflash_draft(ranks, captured=True)
+
+
 # --- the same rank code on gloo, CPU processes (eager) -------------------------------------
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -221,3 +251,9 @@ def test_gloo_release18_draft_and_accept():
                         timeout=240, path=path)
     assert not any(r["variants"][v]["captured"] for r in ranks for v in ("on", "off"))
     check_release18(ranks)
+
+
+def test_gloo_dflash_draft():
+    ranks = spawn_ranks(2, "tests.dflash_draft_cases:draft_case", nccl=False, timeout=240,
+                        kwargs={"n": N, "skewed": SKEWED, "paths": ["domino", "selector", "plain_local"]})
+    check_dflash_draft(ranks, captured=False)

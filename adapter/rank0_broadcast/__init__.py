@@ -12,6 +12,10 @@ its source to do the job: adapter.spectpsync.upstream_sync.prove_broadcast).
 The flag takes upstream's site grammar (adapter.spectpsync.sites); unset or an off word is off.
 The memory sites (1, 12) are served by DSV41_GROUP_MIN_MEM before 0.5.19, and the
 verify plan (7) is broadcast by those releases themselves.
+
+The pack's own site 31:pack-dflash-draft-greedy (DFlash's greedy draft proposal, which no
+release broadcasts: dflash_draft) is selected by its own token, on every release; on
+0.5.19+ the pack patches it beside the engine's SpecTpSync sites, which it hands over.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Plan
 from ..framework.surface import SETTING, Surface
 from ..spectpsync import upstream_sync
-from ..spectpsync.sites import MEMORY, labels, parse_selector
+from ..framework.plan import combine
+from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, labels, parse_selector
 
 NAME = "rank0_broadcast"
 FLAG = "DSV41_SPEC_TP_SYNC"
 SUMMARY = "broadcast every DSpark/DFlash speculative decision from TP rank 0 (upstream SpecTpSync grammar)"
-CHECK_VALUE = "all"  # the setting doctor's engine check and the compatibility matrix use
+# The setting doctor's engine check and the compatibility matrix use: every site, the pack's own too.
+CHECK_VALUE = "all,pack-dflash-draft-greedy"
 
-from . import before_0_5_19  # noqa: E402  (it reads NAME and FLAG above)
+from . import before_0_5_19, dflash_draft  # noqa: E402  (they read NAME and FLAG above)
 from .before_0_5_19 import DFLASH_WORKER, DRAFT, DRAFT_SAMPLER, DSPARK_WORKER, HOOKS, VERIFY  # noqa: E402,F401
 
 # (module, required); spec_tp_sync exists from 0.5.19 (then superseded).
@@ -67,8 +73,9 @@ def _handover(engine, module, sites: frozenset, context) -> Plan:
     """0.5.19+: the engine's SpecTpSync does the job where it is shown to, for the
     deployment's topology; the selection is handed to SGLANG_SPEC_TP_SYNC."""
     contract = Contract(NAME, module)
+    _no_collision(contract)
     mapped = upstream_sync.to_engine(contract, sites)
-    value = ",".join(str(n) for n in sorted(mapped))
+    value = ",".join(str(n) for n in sorted(mapped)) or "none"
     theirs = context.environ.get(upstream_sync.ENGINE_FLAG)
     if theirs is not None:
         their_sites = upstream_sync.parse_user_value(contract, theirs)
@@ -99,22 +106,44 @@ def _handover(engine, module, sites: frozenset, context) -> Plan:
     return Plan("superseded", f"{detail}; {handed} (already set to the same sites)")
 
 
+def _no_collision(contract) -> None:
+    """The pack's own site numbers and slugs are not the engine's (adapter.spectpsync.sites)."""
+    for name, number in upstream_sync.engine_sites(contract).items():
+        for site in PACK:
+            if number == int(site) or name.lower().replace("_", "-").startswith(PACK_PREFIX):
+                raise contract.refuse(f"SpecTpSyncSite.{name}", f"is {number}: the engine now uses a number or slug "
+                                                                f"the pack keeps for its own site {site.label}")
+
+
 def check(engine, setting: frozenset, context) -> Plan:
     """What broadcasting the selected sites from rank 0 takes on `engine`; patches nothing."""
     modules = target_modules(NAME, engine, TARGETS)
-    if upstream_sync.MODULE in modules:
-        return _handover(engine, modules[upstream_sync.MODULE], setting, context)
-    return before_0_5_19.plan(engine, modules, setting, _memory_off(context))
+    upstream, own = setting - PACK, setting & PACK
+    plans = []
+    if upstream_sync.MODULE in modules:  # the engine's sites handed over, "none" where only the pack's own are selected
+        plans.append(_handover(engine, modules[upstream_sync.MODULE], upstream, context))
+    elif upstream:
+        plans.append(before_0_5_19.plan(engine, modules, upstream, _memory_off(context)))
+    if own:
+        recorded = any(p.where == "DFlashWorkerV2.__init__" for plan in plans for p in plan.patches)
+        plans.append(dflash_draft.plan(engine, modules, recorded, upstream_sync.MODULE in modules))
+    return plans[0] if len(plans) == 1 else combine(NAME, engine.version, plans)
 
 
 LEDGER = Ledger(
     why="each TP rank takes DSpark/DFlash decisions on its own (draft tokens, accept triple, prefill tokens, DFlash "
-        "accept); one rank deciding differently makes the ranks commit different token counts and hang",
-    upstream_issue="sgl-project/sglang SpecTpSync (the per-site rank-0 broadcast, SGLANG_SPEC_TP_SYNC)",
-    fixes=(UpstreamFix("SpecTpSync (sglang.srt.speculative.spec_tp_sync), every site broadcast from rank 0", "0.5.19"),),
-    retire_when="no supported release is older than 0.5.19: then only the hand-over to SGLANG_SPEC_TP_SYNC is left, "
-                "which users can set themselves",
+        "accept, DFlash greedy draft); one rank deciding differently makes the ranks commit different token counts "
+        "and hang",
+    upstream_issue="sgl-project/sglang SpecTpSync (the per-site rank-0 broadcast, SGLANG_SPEC_TP_SYNC); "
+                   "sgl-project/sglang#40246 (the DFlash greedy draft, the pack's own site 31)",
+    # SpecTpSync (0.5.19) does upstream's sites; no release broadcasts site 31's decision, so at its
+    # broadest setting the adapter is superseded nowhere.
+    fixes=(UpstreamFix("sgl-project/sglang#40246 (DFlash greedy draft, site 31) on top of SpecTpSync "
+                       "(sglang.srt.speculative.spec_tp_sync, 0.5.19: every other site)", None),),
+    retire_when="no supported release is older than 0.5.19 and every one carries #40246: then only the hand-over to "
+                "SGLANG_SPEC_TP_SYNC is left, which users can set themselves",
     legacy={"before_0_5_19.py": "0.5.16-0.5.18"},
+    legacy_until="0.5.19",  # the engine's own SpecTpSync, which the upstream sites are handed to from then on
 )
 SURFACE = Surface(
     name=NAME, flag=FLAG, summary=SUMMARY, parse=parse, check=check, check_value=CHECK_VALUE, ledger=LEDGER,

@@ -6,9 +6,17 @@ init/rng), site slugs and numbers, each negatable with a leading "-"; "_" reads 
 "-", spaces and case are ignored; the retired draft handles 2-6 and their slugs
 select DSPARK_DRAFT (17). An unknown token is a FlagError.
 
-The pack adds one thing: a whole value that says "off" in the words every pack flag
+The pack adds two things. A whole value that says "off" in the words every pack flag
 uses (empty, 0, off, false, none) selects nothing, so switching the flag off never
-changes what the engine does.
+changes what the engine does. And sites of its own (PACK), for decisions no release
+broadcasts: they are selected only by their own token (slug or number, negatable like
+the others) and never by a preset, so `all`, `rng` and `init` select exactly what
+upstream's do. Their tokens cannot be taken for upstream's: upstream numbers its sites
+from 1 upwards (17 in 0.5.23; retired numbers are remapped, never reused) and names them
+DSPARK_*/DFLASH_*, while the pack numbers its own from 31 downwards (the divergence
+report's top row: tp_divergence.divergence.ROWS is 32) and prefixes their slugs with
+"pack-". A release that defines either is refused where the pack hands its selection to
+the engine (rank0_broadcast), so a collision is a refusal naming SpecTpSyncSite.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from ..framework.flags import OFF_WORDS, FlagError
 
 
 class Site(IntEnum):
-    """Upstream 0.5.22+ numbering (SpecTpSyncSite)."""
+    """Upstream 0.5.22+ numbering (SpecTpSyncSite), then the pack's own sites."""
 
     DSPARK_MEM = 1
     DSPARK_PLAN = 7
@@ -34,6 +42,9 @@ class Site(IntEnum):
     DFLASH_ACCEPT_SAMPLE = 14
     DFLASH_ACCEPT_GREEDY = 15
     DFLASH_TARGET = 16
+    # The pack's own (PACK): DFlash's greedy draft proposal where it is rank-local
+    # (upstream PR sgl-project/sglang#40246, in no release; adapter.rank0_broadcast.dflash_draft).
+    PACK_DFLASH_DRAFT_GREEDY = 31
 
     @property
     def slug(self) -> str:
@@ -49,7 +60,10 @@ def slug_of(name: str) -> str:
     return name.lower().replace("_", "-")
 
 
-ALL = frozenset(Site)
+PACK = frozenset({Site.PACK_DFLASH_DRAFT_GREEDY})
+PACK_PREFIX = "pack-"
+UPSTREAM = frozenset(Site) - PACK
+ALL = UPSTREAM  # upstream's preset: the pack's own sites are selected by their own token
 MEMORY = frozenset({Site.DSPARK_MEM, Site.DFLASH_MEM})
 _RNG = frozenset({Site.DSPARK_ACCEPT_SAMPLE, Site.DSPARK_TARGET, Site.DFLASH_SELECTOR,
                   Site.DFLASH_ACCEPT_SAMPLE, Site.DFLASH_TARGET})
@@ -67,6 +81,7 @@ def labels(sites) -> str:
 
 def accepted_forms() -> str:
     return (f"presets {', '.join(sorted(PRESETS))}; site slugs or numbers {labels(ALL)}; "
+            f"the pack's own sites {labels(PACK)} (no preset selects them); "
             f"retired draft handles 2-6; each optionally negated with a leading '-', comma-separated")
 
 
@@ -105,5 +120,5 @@ def parse_selector(raw, flag: str = "DSV41_SPEC_TP_SYNC") -> frozenset:
 
 
 def parse_numbers(raw: str) -> frozenset[int]:
-    """A selection written as bare site numbers (what the pack hands to the engine)."""
-    return frozenset(int(token) for token in raw.split(","))
+    """A selection written as bare site numbers, or "none" (what the pack hands to the engine)."""
+    return frozenset() if raw == "none" else frozenset(int(token) for token in raw.split(","))

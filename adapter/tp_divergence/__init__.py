@@ -8,7 +8,8 @@ site the calls, the calls that differed and the elements that differed, on the d
 
 The sites are those broadcast on this deployment: on 0.5.16 - 0.5.18 the pack's own
 (rank0_broadcast's selection, through its `broadcast`); on 0.5.19+ the engine's
-`SpecTpSync.sync`, at the sites SGLANG_SPEC_TP_SYNC selects as the ranks will read it.
+`SpecTpSync.sync`, at the sites SGLANG_SPEC_TP_SYNC selects as the ranks will read it, and
+the pack's `broadcast` at the pack's own sites rank0_broadcast selects (31:pack-dflash-draft-greedy).
 The memory sites (1, 12) reduce free memory to a group minimum at start-up and broadcast
 no value: nothing to compare there. The broadcast values are left as they were.
 """
@@ -29,7 +30,8 @@ from ..engine.installed import version_of
 from ..framework.flags import FlagError, parse_switch
 from ..framework.ledger import Ledger
 from ..framework.surface import HANDOVER, SETTING, Surface
-from ..spectpsync.sites import Site, slug_of
+from ..spectpsync import broadcast as pack
+from ..spectpsync.sites import PACK, Site, labels, slug_of
 
 NAME = "tp_divergence"
 FLAG = "DSV41_TP_DIVERGENCE"
@@ -40,7 +42,7 @@ SUMMARY = "count, per rank-0 broadcast site and rank, the calls where this rank'
 CHECK_VALUE = "1"  # the setting doctor's engine check and the compatibility matrix use
 # Judged with the pack's broadcast at its broadest setting: without it there is nothing to
 # compare on 0.5.16 - 0.5.18, so the engine check would say nothing about the engine.
-CHECK_WITH = {"rank0_broadcast": "all"}
+CHECK_WITH = {"rank0_broadcast": "all,pack-dflash-draft-greedy"}
 # Site calls between two reads of the counters; a read costs one copy to pinned host
 # memory and no wait (bench/divergence_cost.py).
 DEFAULT_EVERY = 1000
@@ -125,7 +127,8 @@ def _engine_plan(engine, module, setting: Setting, context) -> Plan:
     compared = sorted(n for n in selected if n not in memory)
     # Labelled from the engine's own names: it may number sites the pack's Site does not know.
     label = lambda n: f"{n}:{slug_of(names[n])}"  # noqa: E731
-    if not compared:
+    own = sorted(frozenset(context.settings["rank0_broadcast"] or ()) & PACK)  # the pack's own sites, its broadcast
+    if not compared and not own:
         raise Refused(NAME, FLAG, f"no site broadcasts a value ({what}): there is nothing to compare; "
                                   f"select broadcast sites or unset {FLAG}", version_of(module))
     off = sorted(set(names) - set(compared) - memory)
@@ -135,7 +138,11 @@ def _engine_plan(engine, module, setting: Setting, context) -> Plan:
               + f"; report every {setting.every} calls and at exit, {when(context)}; shown from its source: "
               + "; ".join(shown) + f"; {upstream_sync.describe_groups(groups)}")
     owner = contract.attr("SpecTpSync")
-    return Plan("applied", detail, [Patch(owner, "sync", functools.partial(_compare_sync, setting.every))])
+    patches = [Patch(owner, "sync", functools.partial(_compare_sync, setting.every))]
+    if own:  # beside the engine's sites: the pack's broadcast, which serves only its own sites here
+        patches.append(Patch(pack, "broadcast", functools.partial(before_0_5_19.compare_broadcast, setting.every)))
+        detail += f"; the pack's own {labels(own)} compared at {pack.__name__}.broadcast"
+    return Plan("applied", detail, patches)
 
 
 def check(engine, setting: Setting, context) -> Plan:

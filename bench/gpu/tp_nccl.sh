@@ -6,13 +6,15 @@
 # (one GPU: the report's fused comparison and the block against the torch paths) and bench/tp_nccl_cost.py,
 # the pack from this tree and sglang 0.5.23 from its sources (setup.sh); the test's 0.5.18 ranks put
 # ENGINE18_PATH (0.5.18's sources and pins, setup.sh) first on sys.path. Logs and JSON under $OUT;
-# PYTEST_K narrows the tests (default: every NCCL one), BENCH=0 skips the benchmark.
+# PYTEST_K narrows the tests (default: every NCCL one), BENCH=0 skips the benchmarks; DFLASH_BENCH=0
+# skips only bench/dflash_draft_drift.py (issue 23: the pack's own site 31 over NCCL, 120 skewed
+# cases per path off/on, its cost eager and captured beside the bare broadcast).
 # The kernel library (the fence's copy, the broadcast's one-launch block, the divergence report's
 # fused comparison: issue 26) is built first with the image's own command and default archs into
 # /opt/sglang-dsv41; SGLANG_ADAPTERS_SNAPSHOT_KERNEL names it to every spawned rank (KERNEL=0: not
 # built, the old paths serve and say so).
 # NVLink multicast stays off in every process (here, and again in each spawned rank).
-# Every step has a time limit, so the whole script ends within about 8 minutes.
+# Every step has a time limit, so the whole script ends within about 10 minutes.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source .gpu/setup.sh
@@ -40,3 +42,7 @@ echo "pytest rc=${PIPESTATUS[0]}"
 timeout -k 10 240 python3 bench/tp_nccl_cost.py --timeout 225 ${BENCH_ARGS:-} --json $OUT/tp_nccl_cost.json 2>&1 \
   | tee $OUT/tp_nccl_cost.txt | grep -v -i warn | tail -130
 echo "bench rc=${PIPESTATUS[0]}"
+[ "${DFLASH_BENCH:-1}" = 0 ] && exit 0
+timeout -k 10 150 python3 bench/dflash_draft_drift.py --timeout 70 --json $OUT/dflash_draft_drift.json 2>&1 \
+  | tee $OUT/dflash_draft_drift.txt | grep -v -i "warn\|flashinfer" | tail -40
+echo "dflash bench rc=${PIPESTATUS[0]}"
