@@ -98,6 +98,19 @@ def capture_and_replay(region, skew) -> None:
     replay(graph, skew)
 
 
+
+def skewed_eager_calls(call, skew) -> None:
+    """`call` REPLAYS times eagerly, rank 0's value skewed on the SKEWED calls, under sync debug
+    mode "error" (an eager site call, its report included, must not wait for the device)."""
+    ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(REPLAYS):
+            skew.copy_(ones if i in SKEWED else zeros)
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
 def test_spec_tp_sync_site_counts_every_replay(report_on, capsys):
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
 
@@ -137,14 +150,7 @@ def test_eager_calls_make_no_host_sync(report_on, capsys):
     tp_sync.sync(S.DSPARK_TARGET, values.clone())  # makes the counters
     torch.cuda.synchronize()
     divergence.reset()
-    ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for i in range(REPLAYS):
-            skew.copy_(ones if i in SKEWED else zeros)
-            tp_sync.sync(S.DSPARK_TARGET, values.clone())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    skewed_eager_calls(lambda: tp_sync.sync(S.DSPARK_TARGET, values.clone()), skew)
     divergence.flush()
     printed = [line for line in capsys.readouterr().err.splitlines() if "tp_divergence" in line]
     diverged = sum(int(line.split("diverged_calls=")[1].split()[0]) for line in printed)
@@ -284,14 +290,7 @@ def test_fused_counts_equal_the_torch_ops_counts_in_graphs_and_eagerly():
             capture_and_replay(region, skew)
             got[("graph", kernel)] = divergence.totals()
             divergence.reset()
-            ones, zeros = torch.ones_like(skew), torch.zeros_like(skew)
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                for i in range(REPLAYS):
-                    skew.copy_(ones if i in SKEWED else zeros)
-                    region()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            skewed_eager_calls(region, skew)
             got[("eager", kernel)] = divergence.totals()
             divergence.reset()
     finally:

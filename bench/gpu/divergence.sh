@@ -8,14 +8,7 @@
 set -uo pipefail
 source .gpu/setup.sh
 export PYTHONPATH=$PWD:$ENGINE_PATH
-export SGLANG_ADAPTERS_SNAPSHOT_KERNEL=/opt/sglang-dsv41/dsv41_accept_snapshot.so
-chmod -R u+w /opt/sglang-dsv41 2>/dev/null; rm -f $SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # a warm machine's last build
-if [ "${KERNEL:-1}" != 0 ]; then
-  timeout -k 10 120 env MAX_JOBS=16 python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build --allow-clones 0 \
-    2>&1 | tee $OUT/kernel_build.log | tail -3
-else
-  unset SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # the default path is gone too: the old paths serve, the tests expect them
-fi
+build_kernel_file  # .gpu/setup.sh
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
   python3 -c "import torch,sys;print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 } 2>&1 | tee $OUT/divergence_env.txt

@@ -23,4 +23,17 @@ if [ -f .gpu/sglang18-src.tar.xz ]; then
   export SGLANG_IS_FLASHINFER_AVAILABLE=false
 fi
 export PYTHONUNBUFFERED=1
+
+# The kernel library built with the image's own command and default archs into /opt/sglang-dsv41 and named by
+# SGLANG_ADAPTERS_SNAPSHOT_KERNEL for every process started after (KERNEL=0: not built, the old paths serve).
+build_kernel_file() {
+  export SGLANG_ADAPTERS_SNAPSHOT_KERNEL=/opt/sglang-dsv41/dsv41_accept_snapshot.so
+  chmod -R u+w /opt/sglang-dsv41 2>/dev/null; rm -f $SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # a warm machine's last build
+  if [ "${KERNEL:-1}" != 0 ]; then
+    timeout -k 10 120 env MAX_JOBS=16 python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build --allow-clones 0 \
+      2>&1 | tee $OUT/kernel_build.log | tail -3
+  else
+    unset SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # the default path is gone too: the old paths serve, the tests expect them
+  fi
+}
 set +e

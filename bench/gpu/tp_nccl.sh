@@ -25,14 +25,7 @@ export PYTHONPATH=$PWD:$ENGINE_PATH
   env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)='
 } 2>&1 | tee $OUT/tp_nccl_env.txt
 echo "ENGINE18_PATH=${ENGINE18_PATH:-<unset: the 0.5.18 test skips>}" | tee -a $OUT/tp_nccl_env.txt
-export SGLANG_ADAPTERS_SNAPSHOT_KERNEL=/opt/sglang-dsv41/dsv41_accept_snapshot.so
-chmod -R u+w /opt/sglang-dsv41 2>/dev/null; rm -f $SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # a warm machine's last build
-if [ "${KERNEL:-1}" != 0 ]; then
-  timeout -k 10 120 env MAX_JOBS=16 python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build --allow-clones 0 \
-    2>&1 | tee $OUT/kernel_build.log | tail -3
-else
-  unset SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # the default path is gone too: the old paths serve, the tests expect them
-fi
+build_kernel_file  # .gpu/setup.sh
 python3 -c "import sglang_dsv41_adapters.folded_fence.accept_snapshot; from sglang_dsv41_adapters.spectpsync import broadcast as b; from sglang_dsv41_adapters.tp_divergence import divergence as d; print('packing:', b.packing_mode(), 'compare:', d.compare_mode())" \
   2>&1 | tail -1 | tee -a $OUT/tp_nccl_env.txt
 timeout -k 10 200 python3 -m pytest tests/test_tp_nccl.py tests/test_divergence_gpu.py -k "${PYTEST_K:-not gloo}" -q -rA -p no:cacheprovider 2>&1 \
