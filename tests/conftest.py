@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -121,12 +122,19 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def sm80(tmp_path_factory) -> Path:
     """A real kernel file for sm_80 only (one architecture: the quickest build, ~45 s on 2 cores),
-    built once per session: the kernel tests and the boundary scan's share it."""
+    built once per test run: the kernel tests and the boundary scan's share it, and so do the
+    run's xdist workers (the first to need it builds it under a lock in their common folder)."""
     home = cuda_home()
     if home is None:
         pytest.skip("no CUDA compiler here (set CUDA_HOME): the kernel file cannot be built")
-    out = tmp_path_factory.mktemp("kernel") / "sm80" / "dsv41_accept_snapshot.so"
-    done = cli("build", "--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home})
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert out.is_file() and not list(out.parent.glob("*.tmp"))
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+    folder = (tmp_path_factory.getbasetemp().parent / f"kernel-sm80-{run}") if run else tmp_path_factory.mktemp("kernel")
+    folder.mkdir(exist_ok=True)
+    out = folder / "dsv41_accept_snapshot.so"
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits here for the first one's build
+        if not out.is_file():
+            done = cli("build", "--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home})
+            assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+            assert out.is_file() and not list(out.parent.glob("*.tmp"))
     return out

@@ -39,6 +39,7 @@ SpecTpSync over, beside the engine's sites, which it does not touch.
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
@@ -145,14 +146,21 @@ SAMPLER_BUILDERS = {"_DflashDraftSampler", "_SelectorDraftSampler", "_DominoDraf
                     "build_lilicorr_draft_sampler", "_eager"}
 
 
+@functools.lru_cache(maxsize=64)
+def _tree(text: str) -> ast.Module:
+    """A source text parsed once per process (every decision reads the same files; the trees
+    are only read)."""
+    return ast.parse(textwrap.dedent(text))
+
+
 def _defined(contract: Contract, name: str) -> bool:
-    tree = ast.parse(contract.source())
+    tree = _tree(contract.source())
     return any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name for n in tree.body) or any(
         isinstance(n, ast.ImportFrom) and any(a.name == name for a in n.names) for n in tree.body)
 
 
 def _parsed(contract: Contract, dotted: str) -> ast.Module:
-    return ast.parse(textwrap.dedent(contract.function_source(dotted)))
+    return _tree(contract.function_source(dotted))
 
 
 def _producer(value: ast.AST) -> str:
@@ -168,15 +176,20 @@ def _producer(value: ast.AST) -> str:
     return ast.unparse(node.func if isinstance(node, ast.Call) else node)
 
 
-def _producers(contract: Contract) -> list[tuple[int, str]]:
-    function = _parsed(contract, FORWARD)
+def _producers(contract: Contract) -> tuple[tuple[int, str], ...]:
+    return _producers_in(contract.function_source(FORWARD))
+
+
+@functools.lru_cache(maxsize=16)
+def _producers_in(text: str) -> tuple[tuple[int, str], ...]:
+    function = _tree(text)
     found = []
     for node in ast.walk(function):
         if isinstance(node, ast.Assign):
             names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
             if "draft_next" in names:
                 found.append((node.lineno, _producer(node.value)))
-    return found
+    return tuple(found)
 
 
 def _check_proposals(contract: Contract, paths) -> None:
