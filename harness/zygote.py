@@ -40,8 +40,11 @@ from .engines import ROOT
 # switches of harness.nccl.NO_MULTICAST when NCCL and symmetric memory start).
 # COLUMNS and LINES: a terminal library of the test process may put them in its C environment
 # (what a spawned child inherits) without os.environ knowing; only a terminal's width reads them.
+# SGLANG_ADAPTERS_SNAPSHOT_KERNEL: the pack reads it when the fence first needs its copy.
 LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "PYTEST_CURRENT_TEST",
-        "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "COLUMNS", "LINES")
+        "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
+        "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "COLUMNS", "LINES",
+        "SGLANG_ADAPTERS_SNAPSHOT_KERNEL")
 LATE_PREFIXES = ("DSV41_",)
 KEEP = 6  # warm parents per test process (about 0.9 GB each); the least recently used one goes first
 
