@@ -57,18 +57,15 @@ def use_kernel(enabled: bool) -> None:
 def packing_mode() -> tuple[str, str]:
     """("one-launch block", the kernel file) or ("concatenation", why) for CUDA tensors. The
     first call loads the kernel file (a dlopen, no compile: library.py)."""
-    if not _use_kernel:
-        return ("concatenation", "switched off by use_kernel(False)")
-    kernel, detail = library.library()
-    return ("one-launch block" if kernel is not None else "concatenation", detail)
+    return library.serving(_use_kernel, "one-launch block", "concatenation")[:2]
 
 
 def _decide_packer():
     global _block_packer
     from ..framework import log
 
-    mode, detail = packing_mode()
-    _block_packer = library.library()[0].pack if mode == "one-launch block" else None
+    mode, detail, kernel = library.serving(_use_kernel, "one-launch block", "concatenation")
+    _block_packer = kernel.pack if kernel is not None else None
     # Probed at the first CUDA call, on the rank's own device; one line says which serves.
     log.emit(f"rank0_broadcast packing: {mode} - {detail}", adapter="rank0_broadcast", packing=mode, detail=detail)
     return _block_packer

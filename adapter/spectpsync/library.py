@@ -24,3 +24,12 @@ def library() -> tuple:
     if _loader is None:
         return None, "its loader (folded_fence.accept_snapshot) is not imported in this process"
     return _loader()
+
+
+def serving(enabled: bool, served: str, fallback: str) -> tuple[str, str, object]:
+    """(mode, its file or why not, the library or None) for a caller that uses the library
+    where it serves and is `enabled` (tests and benchmarks switch it off), else its torch path."""
+    if not enabled:
+        return fallback, "switched off by use_kernel(False)", None
+    kernel, detail = library()
+    return (served if kernel is not None else fallback), detail, kernel

@@ -101,17 +101,13 @@ def use_kernel(enabled: bool) -> None:
 def compare_mode() -> tuple[str, str]:
     """("fused kernel", the kernel file) or ("torch ops", why) for CUDA values. The first
     call loads the kernel file (a dlopen, no compile: spectpsync.library)."""
-    if not _use_kernel:
-        return ("torch ops", "switched off by use_kernel(False)")
-    kernel, detail = library.library()
-    return ("fused kernel" if kernel is not None else "torch ops", detail)
+    return library.serving(_use_kernel, "fused kernel", "torch ops")[:2]
 
 
 def _decide_fused() -> tuple:
     global _fused
-    mode, detail = compare_mode()
-    kernel = library.library()[0]
-    _fused = (kernel.count_divergence, kernel.snapshot) if mode == "fused kernel" else ()
+    mode, detail, kernel = library.serving(_use_kernel, "fused kernel", "torch ops")
+    _fused = (kernel.count_divergence, kernel.snapshot) if kernel is not None else ()
     # Probed at the first CUDA call, on the rank's own device; one line says which serves.
     log.emit(f"tp_divergence compare: {mode} - {detail}", adapter="tp_divergence", compare=mode, detail=detail)
     return _fused
