@@ -29,7 +29,7 @@ from ..framework.plan import Plan
 from ..framework.surface import SETTING, Surface
 from ..spectpsync import upstream_sync
 from ..framework.plan import combine
-from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, labels, parse_selector
+from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector
 
 NAME = "rank0_broadcast"
 FLAG = "DSV41_SPEC_TP_SYNC"
@@ -109,7 +109,7 @@ def _handover(engine, module, sites: frozenset, context) -> Plan:
 def _no_collision(contract) -> None:
     """The pack's own site numbers and slugs are not the engine's (adapter.spectpsync.sites)."""
     for name, number in upstream_sync.engine_sites(contract).items():
-        for site in PACK:
+        for site in PACK | REPORT_ONLY:
             if number == int(site) or name.lower().replace("_", "-").startswith(PACK_PREFIX):
                 raise contract.refuse(f"SpecTpSyncSite.{name}", f"is {number}: the engine now uses a number or slug "
                                                                 f"the pack keeps for its own site {site.label}")

@@ -17,6 +17,10 @@ DSPARK_*/DFLASH_*, while the pack numbers its own from 31 downwards (the diverge
 report's top row: tp_divergence.divergence.ROWS is 32) and prefixes their slugs with
 "pack-". A release that defines either is refused where the pack hands its selection to
 the engine (rank0_broadcast), so a collision is a refusal naming SpecTpSyncSite.
+
+One pack site is compared, never broadcast (REPORT_ONLY): 30:pack-decode-graph-key, the
+decode graph key a target forward replays (tp_divergence.graph_key). The divergence report
+compares it whenever the report is on; selecting it here is a FlagError that says so.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class Site(IntEnum):
     # The pack's own (PACK): DFlash's greedy draft proposal where it is rank-local
     # (upstream PR sgl-project/sglang#40246, in no release; adapter.rank0_broadcast.dflash_draft).
     PACK_DFLASH_DRAFT_GREEDY = 31
+    # The pack's own report site (REPORT_ONLY): the decode graph key a target forward replays
+    # (upstream PR sgl-project/sglang#31195 compares it in logs; adapter.tp_divergence.graph_key).
+    PACK_DECODE_GRAPH_KEY = 30
 
     @property
     def slug(self) -> str:
@@ -61,8 +68,9 @@ def slug_of(name: str) -> str:
 
 
 PACK = frozenset({Site.PACK_DFLASH_DRAFT_GREEDY})
+REPORT_ONLY = frozenset({Site.PACK_DECODE_GRAPH_KEY})  # numbered like PACK, compared by the report, never selected
 PACK_PREFIX = "pack-"
-UPSTREAM = frozenset(Site) - PACK
+UPSTREAM = frozenset(Site) - PACK - REPORT_ONLY
 ALL = UPSTREAM  # upstream's preset: the pack's own sites are selected by their own token
 MEMORY = frozenset({Site.DSPARK_MEM, Site.DFLASH_MEM})
 _RNG = frozenset({Site.DSPARK_ACCEPT_SAMPLE, Site.DSPARK_TARGET, Site.DFLASH_SELECTOR,
@@ -104,6 +112,10 @@ def _resolve(name: str, raw: str, flag: str) -> frozenset:
     if name in RETIRED:
         return frozenset({RETIRED[name]})
     site = _BY_SLUG.get(name) or _BY_NUMBER.get(name)
+    if site in REPORT_ONLY:
+        raise FlagError(f"{flag}={raw!r}: {site.label} is a report site, not a broadcast: the divergence report "
+                        "(DSV41_TP_DIVERGENCE) compares it whenever it is on; remove it from "
+                        f"{flag}; accepted: {accepted_forms()}")
     if site is None:
         close = difflib.get_close_matches(name, [*PRESETS, *_BY_SLUG, *RETIRED], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -25,7 +25,7 @@ from typing import Optional
 from . import divergence
 from ..spectpsync import upstream_sync
 from ..engine.contract import Contract, Refused, target_modules
-from ..framework.plan import Patch, Plan
+from ..framework.plan import Patch, Plan, combine
 from ..engine.installed import version_of
 from ..framework.flags import FlagError, parse_switch
 from ..framework.ledger import Ledger
@@ -149,12 +149,15 @@ def check(engine, setting: Setting, context) -> Plan:
     """What comparing every active broadcast site takes on `engine`; patches nothing."""
     modules = target_modules(NAME, engine, ((upstream_sync.MODULE, False),))
     if upstream_sync.MODULE in modules:
-        return _engine_plan(engine, modules[upstream_sync.MODULE], setting, context)
-    return before_0_5_19.plan(engine, setting, context)
+        sites = _engine_plan(engine, modules[upstream_sync.MODULE], setting, context)
+    else:
+        sites = before_0_5_19.plan(engine, setting, context)
+    # the pack's report site 30, beside the broadcast sites on every release
+    return combine(NAME, engine.version, [sites, graph_key.plan(engine, setting.every)])
 
 
 
-from . import before_0_5_19  # noqa: E402  (it reads the names above)
+from . import before_0_5_19, graph_key  # noqa: E402  (it reads the names above)
 
 LEDGER = Ledger(
     why="after a rank-0 broadcast every rank holds rank 0's value, which hides where and how often the ranks "

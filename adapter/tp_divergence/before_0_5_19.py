@@ -11,7 +11,7 @@ from ..engine.contract import POSITIONAL, Contract, Refused
 from ..framework.plan import Patch, Plan
 from ..spectpsync import broadcast as pack
 from ..spectpsync.broadcast import SERVED_ELSEWHERE
-from ..spectpsync.sites import Site, labels
+from ..spectpsync.sites import REPORT_ONLY, Site, labels
 from . import divergence
 # The package defines these before it imports this file.
 from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, one_rank, when
@@ -45,7 +45,7 @@ def plan(engine, setting, context) -> Plan:
     contract = Contract(NAME, pack)
     contract.params("broadcast", {"family": POSITIONAL, "site": POSITIONAL})
     skipped = "; ".join(f"{s.label}: {why}" for s, why in sorted(NOT_COMPARED_BEFORE_19.items()))
-    off = frozenset(Site) - compared - NOT_COMPARED_BEFORE_19.keys()
+    off = frozenset(Site) - REPORT_ONLY - compared - NOT_COMPARED_BEFORE_19.keys()
     detail = (f"compares {labels(compared)} at the pack's broadcast ({pack.__name__}.broadcast); not compared: "
               f"{skipped}" + (f"; off in {selector}: {labels(off)}" if off else "")
               + f"; report every {setting.every} calls and at exit, {when(context)}")
