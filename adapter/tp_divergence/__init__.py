@@ -10,6 +10,8 @@ The sites are those broadcast on this deployment: on 0.5.16 - 0.5.18 the pack's 
 (rank0_broadcast's selection, through its `broadcast`); on 0.5.19+ the engine's
 `SpecTpSync.sync`, at the sites SGLANG_SPEC_TP_SYNC selects as the ranks will read it, and
 the pack's `broadcast` at the pack's own sites rank0_broadcast selects (31:pack-dflash-draft-greedy).
+On every release, beside them, the pack's report site 30:pack-decode-graph-key: the decode graph
+key a target forward replays, rank 0's sent by the report itself (graph_key.py).
 The memory sites (1, 12) reduce free memory to a group minimum at start-up and broadcast
 no value: nothing to compare there. The broadcast values are left as they were.
 """
@@ -163,9 +165,10 @@ LEDGER = Ledger(
     why="after a rank-0 broadcast every rank holds rank 0's value, which hides where and how often the ranks "
         "disagreed: a diagnostic that counts it per site and rank, fixing nothing",
     upstream_issue="none: a diagnostic of this pack (upstream's rank-consensus checker, PR #34406, hashes other "
-                   "state)",
+                   "state; the decode graph key, site 30, is what sgl-project/sglang#31195 compares in logs)",
     fixes=(),
-    retire_when="the engine reports per-site divergence of its own SpecTpSync broadcasts",
+    retire_when="the engine reports per-site divergence of its own SpecTpSync broadcasts and compares the decode "
+                "graph key across ranks (site 30; sgl-project/sglang#31195)",
     legacy={"before_0_5_19.py": "0.5.16-0.5.18"},
     legacy_until="0.5.19",  # the engine's own SpecTpSync, which it compares at from then on
 )
