@@ -124,10 +124,12 @@ def cpu_rank(rank, world_size, reps, steps, gammas, sizes):
         return step
 
     results = {}
-    local = SpecTpSync(StandInGroup("cpu"))  # no collective: what the comparison itself adds per call
+    stand_in = StandInGroup()
+    local = SpecTpSync(stand_in)  # no collective: what the comparison itself adds per call
     with contextlib.redirect_stderr(io.StringIO()):  # no divergence here: nothing is printed anyway
         for bs in sizes:
             values, times = torch.arange(bs), {v: [] for v in VARIANTS}
+            stand_in.rank0 = values.clone()
             for _ in range(reps):
                 for variant in VARIANTS:
                     switch(variant)
@@ -177,15 +179,16 @@ def run_cpu(opts) -> dict:
 
 
 class StandInGroup:
-    """A world of one standing in for a TP group: the broadcast is one in-place device op."""
+    """A world of one standing in for rank 1 of a TP group: the broadcast is one device op
+    that writes rank 0's value (`rank0`, set per case: equal to the caller's) over the
+    tensor it is given, as a collective does. The report on, sync hands it a tensor of its
+    own to receive into (tp_divergence._compare_sync); off, the caller's."""
 
     world_size, rank_in_group = 2, 1
-
-    def __init__(self, device):
-        self.zero = torch.zeros((), dtype=torch.int64, device=torch.device(device))
+    rank0 = None
 
     def broadcast(self, tensor, src=0):
-        tensor.add_(self.zero)
+        tensor.copy_(self.rank0)
         return tensor
 
 
@@ -194,7 +197,8 @@ def run_gpu(opts) -> dict:
 
     os.environ.pop("SGLANG_SPEC_TP_SYNC", None)
     device = torch.device("cuda")
-    tp_sync = SpecTpSync(StandInGroup(device))
+    stand_in = StandInGroup()
+    tp_sync = SpecTpSync(stand_in)
     per_graph = 32
     out = {}
     gpu_variants = ("off", "on", "on_torch")
@@ -205,6 +209,7 @@ def run_gpu(opts) -> dict:
 
     for bs in (1, 64, 256):
         values = torch.arange(bs, device=device)
+        stand_in.rank0 = values.clone()
         times = {f"{kind}/{v}": [] for kind in ("eager", "captured") for v in gpu_variants}
         graphs = {}
         for variant in gpu_variants:

@@ -47,7 +47,7 @@ class ReadyLibrary:
     def snapshot(self, tensors):
         return list(tensors)
 
-    def count_divergence(self, mine, theirs, counts, row):
+    def count_divergence(self, mine, theirs, counts, row, settle):
         return True
 
 
@@ -74,6 +74,14 @@ def main(argv=None) -> int:
              "triple, report on": lambda: reported(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields),
              "draft": lambda: b.broadcast(b.DSPARK, Site.DSPARK_DRAFT, draft),
              "draft, report on": lambda: reported(b.DSPARK, Site.DSPARK_DRAFT, draft)}
+    # 0.5.19+: the engine's SpecTpSync.sync on a receiving rank, with the report's wrapper
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+    from sglang_dsv41_adapters import tp_divergence as t
+
+    tp_sync = SpecTpSync(NoCollective())
+    synced = wrapt.FunctionWrapper(SpecTpSync.sync, functools.partial(t._compare_sync, 1000))
+    cases.update({"sync": lambda: tp_sync.sync(S.DSPARK_TARGET, draft),
+                  "sync, report on": lambda: synced.__get__(tp_sync, SpecTpSync)(S.DSPARK_TARGET, draft)})
     times = {name: [] for name in cases}
     for fn in cases.values():
         fn()  # the decisions (one line each) before the clock

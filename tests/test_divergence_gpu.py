@@ -41,15 +41,19 @@ SKEWED = frozenset(range(3, REPLAYS, 7))  # k = 6 of n = 40 replays
 
 
 class SkewedGroup:
-    """Rank 1's TP group in a world of one: rank 0's value is this rank's own plus `skew`."""
+    """Rank 1's TP group in a world of one: rank 0's value is this rank's own (`own`, or
+    without it what the tensor holds) plus `skew`, written over the tensor the broadcast is
+    given, as a collective writes it (the engine's sync with the report on hands it a tensor
+    of its own to receive into)."""
 
     world_size, rank_in_group = 2, 1
 
-    def __init__(self, skew):
-        self.skew = skew
+    def __init__(self, skew, own=None):
+        self.skew, self.own = skew, own
 
     def broadcast(self, tensor, src=0):
-        tensor.add_(self.skew)  # in place, on the device, where a captured broadcast writes
+        # on the device, where a captured broadcast writes
+        torch.add(tensor if self.own is None else self.own, self.skew, out=tensor)
         return tensor
 
 
@@ -117,8 +121,8 @@ def test_spec_tp_sync_site_counts_every_replay(report_on, capsys):
     assert report_on.outcomes[0].state == runtime.APPLIED
     device = torch.device("cuda")
     skew = torch.zeros((), dtype=torch.int64, device=device)
-    skewed, steady = SpecTpSync(SkewedGroup(skew)), SpecTpSync(SkewedGroup(torch.zeros_like(skew)))
     source = torch.arange(BS, device=device)
+    skewed, steady = SpecTpSync(SkewedGroup(skew, source)), SpecTpSync(SkewedGroup(torch.zeros_like(skew), source))
     accept, draft = torch.empty_like(source), torch.empty_like(source)
 
     def region():  # as DsparkVerifyEpilogue._accept and the folded draft sync inside their graphs
@@ -145,8 +149,8 @@ def test_eager_calls_make_no_host_sync(report_on, capsys):
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
 
     skew = torch.zeros((), dtype=torch.int64, device="cuda")
-    tp_sync = SpecTpSync(SkewedGroup(skew))
     values = torch.arange(BS, device="cuda")
+    tp_sync = SpecTpSync(SkewedGroup(skew, values))
     tp_sync.sync(S.DSPARK_TARGET, values.clone())  # makes the counters
     torch.cuda.synchronize()
     divergence.reset()
@@ -156,6 +160,39 @@ def test_eager_calls_make_no_host_sync(report_on, capsys):
     diverged = sum(int(line.split("diverged_calls=")[1].split()[0]) for line in printed)
     assert diverged == len(SKEWED) and len(printed) > 1
     assert divergence.totals() == {"11:dspark-target": [REPLAYS, len(SKEWED), len(SKEWED) * BS]}
+
+
+def test_a_receiving_rank_holds_rank0s_value_after_sync_in_graphs_and_eagerly(report_on):
+    """The report on, the engine's sync receives rank 0's value into a tensor of its own and
+    one launch compares it with the caller's and writes it there: the caller's tensor holds
+    rank 0's value after every call, eagerly and on every replay, skewed or not."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    skew = torch.zeros((), dtype=torch.int64, device="cuda")
+    own = torch.arange(BS, device="cuda")
+    tp_sync = SpecTpSync(SkewedGroup(skew, own))
+    mine = torch.empty_like(own)
+
+    def region():
+        mine.copy_(own)
+        assert tp_sync.sync(S.DSPARK_TARGET, mine) is mine
+
+    for value in (3, 0, 5):
+        skew.fill_(value)
+        region()
+        assert torch.equal(mine, own + value)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        region()
+    for value in (7, 0, 2):
+        skew.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(mine, own + value)
+    # 3 eager calls and 3 replays (the capture itself runs nothing), 2 of each skewed
+    assert divergence.totals() == {"11:dspark-target": [6, 4, 4 * BS]}
 
 
 def test_pack_broadcast_counts_every_replay():

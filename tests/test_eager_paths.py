@@ -43,7 +43,9 @@ def on_cuda(t):
 
 class InvertingGroup:
     """Rank 1's group in a world of one: "rank 0's value" is every bit of ours inverted, so
-    a result that came through the broadcast is told from one that did not."""
+    a result that came through the broadcast is told from one that did not. Ours is what the
+    tensor holds, or for a tensor like DRAFT (a site of one tensor, which the report has
+    received apart) DRAFT's value."""
 
     world_size, rank_in_group = 2, 1
 
@@ -52,8 +54,13 @@ class InvertingGroup:
 
     def broadcast(self, tensor, src=0):
         self.sent.append(tensor)
+        if tensor.shape == DRAFT.shape and tensor.dtype == DRAFT.dtype:
+            tensor.copy_(DRAFT)
         tensor.view(torch.uint8).bitwise_not_()
         return tensor
+
+
+DRAFT = torch.arange(8)
 
 
 class StandInLibrary:
@@ -80,15 +87,18 @@ class StandInLibrary:
 
     def snapshot(self, tensors):
         self.calls.append(("snapshot", len(tensors)))
-        return [t.clone() for t in tensors]
+        return [on_cuda(t.clone()) for t in tensors]  # the library's copies are on the fields' GPU
 
-    def count_divergence(self, mine, theirs, counts, row):
-        self.calls.append(("count_divergence", len(mine), row))
+    def count_divergence(self, mine, theirs, counts, row, settle):
+        self.calls.append(("count_divergence", len(mine), row) + (("settle",) if settle else ()))
         if not self.compares:
             return False
         e = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).view(-1, a.element_size()).any(1).sum())
                 for a, b in zip(mine, theirs))
         counts[row] += torch.tensor([1, min(e, 1), e])
+        if settle:
+            for a, b in zip(mine, theirs):
+                a.copy_(b)
         return True
 
 
@@ -238,19 +248,20 @@ def test_a_packed_site_is_compared_in_one_fused_call_without_a_copy(library, cap
         lines_for("", "").replace("rank0_broadcast packing:  - ", f"tp_divergence compare: fused kernel - {KERNEL}")]
 
 
-def test_an_in_place_site_copies_all_its_values_in_one_call(library):
+def test_an_in_place_site_is_received_apart_and_settled_in_one_call(library):
     b.bind_group(b.DSPARK, InvertingGroup())
-    draft = on_cuda(torch.arange(8))
+    draft = on_cuda(DRAFT.clone())
     compared()(b.DSPARK, Site.DSPARK_DRAFT, draft)
-    assert library.calls == [("snapshot", 1), ("count_divergence", 1, 17)]
-    assert divergence.totals() == {"17:dspark-draft": [1, 1, 8]}
+    # rank 0's value received apart: no copy of ours first, and one call writes it over ours
+    assert library.calls == [("count_divergence", 1, 17, "settle")]
+    assert divergence.totals() == {"17:dspark-draft": [1, 1, 8]} and torch.equal(draft, ~DRAFT)
 
 
 def test_values_the_fused_kernel_declines_are_compared_with_torch_ops_said_once(library, capsys):
     library.compares = False
     b.bind_group(b.DSPARK, InvertingGroup())
     for _ in range(3):
-        compared()(b.DSPARK, Site.DSPARK_DRAFT, on_cuda(torch.arange(8)))
+        compared()(b.DSPARK, Site.DSPARK_DRAFT, on_cuda(DRAFT.clone()))
     assert divergence.totals() == {"17:dspark-draft": [3, 3, 24]}
     said = lines(capsys, "tp_divergence compare")
     assert len(said) == 2 and said[1].split("compare: ")[1].startswith("site 17:dspark-draft with torch ops")
@@ -266,14 +277,14 @@ def test_the_torch_path_counts_what_the_fused_one_counts(library):
         fields = [on_cuda(t) for t in triple()]
         for _ in range(3):
             compared()(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields)
-            compared()(b.DSPARK, Site.DSPARK_DRAFT, on_cuda(torch.arange(8)))
+            compared()(b.DSPARK, Site.DSPARK_DRAFT, on_cuda(DRAFT.clone()))
         totals.append(divergence.totals())
     assert totals[0] == totals[1] == {"10:dspark-accept-graph": [3, 3, 75], "17:dspark-draft": [3, 3, 24]}
 
 
 def test_without_the_kernel_file_torch_ops_compare_and_clones_copy(no_library, capsys):
     b.bind_group(b.DSPARK, InvertingGroup())
-    compared()(b.DSPARK, Site.DSPARK_DRAFT, on_cuda(torch.arange(8)))
+    compared()(b.DSPARK, Site.DSPARK_DRAFT, on_cuda(DRAFT.clone()))
     assert divergence.totals() == {"17:dspark-draft": [1, 1, 8]}
     said = lines(capsys, "tp_divergence compare")
     assert len(said) == 1 and said[0].endswith(f"compare: torch ops - kernel not built ({KERNEL} missing)")
@@ -285,9 +296,8 @@ def test_eager_calls_ask_about_capture_only_when_a_read_is_due(library, monkeypa
     real = divergence._capturing
     monkeypatch.setattr(divergence, "_capturing", lambda t: asked.append(1) or real(t))
     b.bind_group(b.DSPARK, InvertingGroup())
-    draft = on_cuda(torch.arange(8))
     for _ in range(25):
-        compared(every=10)(b.DSPARK, Site.DSPARK_DRAFT, draft)
+        compared(every=10)(b.DSPARK, Site.DSPARK_DRAFT, on_cuda(DRAFT.clone()))
     assert divergence.totals() == {"17:dspark-draft": [25, 25, 200]}
     assert 3 <= len(asked) <= 5, len(asked)  # creation, reads at 10 and 20 (and a landed read's print)
 
@@ -301,3 +311,72 @@ def test_where_no_loader_was_offered_the_torch_paths_say_so(monkeypatch):
     assert b.packing_mode() == ("concatenation", why) and divergence.compare_mode() == ("torch ops", why)
     monkeypatch.undo()
     assert library._loader is accept_snapshot._offered  # importing accept_snapshot offered it
+
+
+# --- the engine's SpecTpSync.sync (0.5.19+): rank 0's value received apart -----------------
+
+class Rank0Group:
+    """A TP group of two seen from rank `rank`: the broadcast writes rank 0's value (`rank0`)
+    over a receiving rank's tensor, as a collective does, and leaves rank 0's own as it is."""
+
+    world_size = 2
+
+    def __init__(self, rank, rank0):
+        self.rank_in_group, self.rank0, self.received = rank, rank0, []
+
+    def broadcast(self, tensor, src=0):
+        assert src == 0
+        if self.rank_in_group:
+            self.received.append(tensor)
+            tensor.copy_(self.rank0)
+        return tensor
+
+
+@pytest.fixture
+def report_on(monkeypatch):
+    """The report switched on through the runtime, as every rank does (0.5.23's SpecTpSync.sync wrapped)."""
+    from harness.doctored import DoctoredEngine
+    from sglang_dsv41_adapters import tp_divergence as t
+    from sglang_dsv41_adapters.framework import runtime
+
+    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)  # the engine's default: all
+    decision = runtime.decide({t.FLAG: "1"}, DoctoredEngine({}), names=(t.NAME,))
+    assert decision.outcomes[0].state == runtime.APPLIED
+    runtime.apply(decision)
+    yield
+    runtime.revert()
+
+
+def skewed_draft(at=(2, 5)):
+    mine, rank0 = torch.arange(8), torch.arange(8)
+    rank0[list(at)] += 100
+    return mine, rank0
+
+
+@pytest.mark.parametrize("labelled", [True, False], ids=["fused", "torch-ops"])
+def test_a_receiving_rank_compares_and_takes_rank0s_value_in_one_call(library, report_on, labelled):
+    """No copy before the broadcast: sync receives into a tensor of its own, and one fused
+    call (or torch ops) counts the difference and writes rank 0's value into the caller's."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    mine, rank0 = skewed_draft()
+    if labelled:
+        mine = on_cuda(mine)
+    group = Rank0Group(1, rank0)
+    assert SpecTpSync(group).sync(S.DSPARK_DRAFT, mine) is mine
+    assert torch.equal(mine, rank0) and len(group.received) == 1 and group.received[0] is not mine
+    assert library.calls == ([("count_divergence", 1, 17, "settle")] if labelled else [])
+    assert divergence.totals() == {"17:dspark-draft": [1, 1, 2]}
+
+
+def test_rank0_sends_its_own_value_and_counts_the_call(library, report_on):
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    mine, rank0 = skewed_draft()
+    mine, kept = on_cuda(mine), mine.clone()
+    group = Rank0Group(0, rank0)
+    for _ in range(3):
+        assert SpecTpSync(group).sync(S.DSPARK_DRAFT, mine) is mine
+    assert torch.equal(mine, kept) and group.received == []
+    assert library.calls == [("count_divergence", 1, 17)] * 3
+    assert divergence.totals() == {"17:dspark-draft": [3, 0, 0]}

@@ -224,5 +224,5 @@ def test_the_library_packs_and_compares_cuda_values_only(sm80):
     fields = [torch.arange(4, dtype=torch.int32), torch.arange(4, dtype=torch.int64)]
     assert kernel.pack(fields) == [] and kernel.pack(()) == []
     counts = torch.zeros(32, 3, dtype=torch.int64)
-    assert kernel.count_divergence(fields, fields, counts, 10) is False
+    assert kernel.count_divergence(fields, fields, counts, 10, False) is False
     assert not counts.any()

@@ -375,34 +375,40 @@ std::vector<at::Tensor> pack(const std::vector<at::Tensor>& srcs) {
 
 namespace {
 struct Pairs {
-  const void* mine[kMaxFields];
+  void* mine[kMaxFields];
   const void* theirs[kMaxFields];
   int64_t numel[kMaxFields];
   int32_t item[kMaxFields];  // element size in bytes: 1, 2, 4 or 8
   int32_t n;
 };
 
+// Whether element j differs bit for bit; with `settle`, theirs then replaces mine there.
 template <typename T>
-__device__ __forceinline__ bool differs_at(const void* a, const void* b, int64_t j) {
-  return static_cast<const T*>(a)[j] != static_cast<const T*>(b)[j];
+__device__ __forceinline__ bool differs_at(void* a, const void* b, int64_t j, bool settle) {
+  const T theirs = static_cast<const T*>(b)[j];
+  if (static_cast<T*>(a)[j] == theirs) return false;
+  if (settle) static_cast<T*>(a)[j] = theirs;
+  return true;
 }
 
 // One block: the site's values are token-sized (a few thousand elements at most). Counts
-// the elements whose bits differ, then adds [1, min(e, 1), e] to the site's counter row.
-__global__ void count_differences(Pairs p, unsigned long long* __restrict__ row) {
+// the elements whose bits differ, then adds [1, min(e, 1), e] to the site's counter row;
+// with `settle`, each thread also writes rank 0's element over its own where they differ
+// (rank 0's value received apart: one launch instead of a copy before and a compare after).
+__global__ void count_differences(Pairs p, unsigned long long* __restrict__ row, bool settle) {
   __shared__ unsigned long long block_total;
   if (threadIdx.x == 0) block_total = 0;
   __syncthreads();
   unsigned long long local = 0;
   for (int i = 0; i < p.n; ++i) {
-    const void* a = p.mine[i];
+    void* a = p.mine[i];
     const void* b = p.theirs[i];
     for (int64_t j = threadIdx.x; j < p.numel[i]; j += blockDim.x) {
       switch (p.item[i]) {
-        case 1: local += differs_at<uint8_t>(a, b, j); break;
-        case 2: local += differs_at<uint16_t>(a, b, j); break;
-        case 4: local += differs_at<uint32_t>(a, b, j); break;
-        default: local += differs_at<unsigned long long>(a, b, j); break;
+        case 1: local += differs_at<uint8_t>(a, b, j, settle); break;
+        case 2: local += differs_at<uint16_t>(a, b, j, settle); break;
+        case 4: local += differs_at<uint32_t>(a, b, j, settle); break;
+        default: local += differs_at<unsigned long long>(a, b, j, settle); break;
       }
     }
   }
@@ -420,11 +426,12 @@ __global__ void count_differences(Pairs p, unsigned long long* __restrict__ row)
 }  // namespace
 
 // One launch on the current stream (capturable) comparing every (mine, theirs) pair bit
-// for bit and adding [1, min(e, 1), e] to counts[row]. False, launching nothing, where it
-// cannot serve (the caller compares another way): pairs not on counts' device, not
-// contiguous, of other sizes, elements not 1/2/4/8 bytes, more than kMaxFields pairs.
+// for bit and adding [1, min(e, 1), e] to counts[row]; with `settle`, mine then holds
+// theirs. False, launching nothing, where it cannot serve (the caller compares another
+// way): pairs not on counts' device, not contiguous, of other sizes, elements not
+// 1/2/4/8 bytes, more than kMaxFields pairs.
 bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at::Tensor>& theirs,
-                      const at::Tensor& counts, int64_t row) {
+                      const at::Tensor& counts, int64_t row, bool settle) {
   const int n = (int)mine.size();
   if (n == 0 || n > kMaxFields || theirs.size() != mine.size() || !counts.is_cuda() ||
       counts.scalar_type() != at::kLong || !counts.is_contiguous() || counts.dim() != 2 || counts.size(1) != 3 ||
@@ -451,7 +458,7 @@ bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at:
   c10::optional<c10::cuda::CUDAGuard> guard;
   if (device.index() != c10::cuda::current_device()) guard.emplace(device);
   auto* counter = reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>()) + row * 3;
-  count_differences<<<1, 256, 0, c10::cuda::getCurrentCUDAStream(device.index())>>>(p, counter);
+  count_differences<<<1, 256, 0, c10::cuda::getCurrentCUDAStream(device.index())>>>(p, counter, settle);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
@@ -472,7 +479,7 @@ _CPP_SOURCE = (
     "void empty_launch();\n"
     "std::vector<at::Tensor> pack(const std::vector<at::Tensor>& srcs);\n"
     "bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at::Tensor>& theirs, "
-    "const at::Tensor& counts, int64_t row);\n"
+    "const at::Tensor& counts, int64_t row, bool settle);\n"
 )
 _FUNCTIONS = ["snapshot", "empty_launch", "build_info", "pack", "count_divergence"]
 # Which sources a kernel file was built from: a file from another pack version is not used.

@@ -83,14 +83,21 @@ def _site_and_values(site, values):
 
 
 def _compare_sync(every, wrapped, instance, args, kwargs):
-    """Around SpecTpSync.sync(site, values) (0.5.19+): only where it broadcasts."""
+    """Around SpecTpSync.sync(site, values) (0.5.19+): only where it broadcasts. sync is
+    shown (upstream_sync) to broadcast its argument in place from rank 0 of its group and
+    return it: rank 0 sends its own value; another rank has sync receive rank 0's into a
+    tensor of its own, and one launch compares it with the caller's and copies it there."""
     site, values = _site_and_values(*args, **kwargs)
     if not instance.enabled(site):
         return wrapped(*args, **kwargs)
-    mine = divergence.copies((values,))  # sync broadcasts in place
-    result = wrapped(*args, **kwargs)
-    divergence.observe(*divergence.label(site), mine, (result,), every)
-    return result
+    number, slug = divergence.label(site)
+    if instance._tp_group.rank_in_group == 0:
+        result = wrapped(*args, **kwargs)
+        divergence.observe(number, slug, (values,), (result,), every)  # counts the call: rank 0's own value
+        return result
+    received = wrapped(site, values.new_empty(values.shape))  # contiguous, whatever the caller's layout
+    divergence.observe(number, slug, (values,), (received,), every, settle=True)
+    return values
 
 
 # ---------------------------------------------------------------- declaration

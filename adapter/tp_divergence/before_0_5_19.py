@@ -18,15 +18,25 @@ from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, one_rank, when
 
 
 def compare_broadcast(every, wrapped, instance, args, kwargs):
-    """Around the pack's broadcast(family, site, *tensors) (0.5.16 - 0.5.18)."""
+    """Around the pack's broadcast(family, site, *tensors) (0.5.16 - 0.5.18, and the pack's
+    own sites on 0.5.19+)."""
     family, site, *tensors = args
-    if pack.group_of(family).world_size == 1:  # nothing is broadcast
+    group = pack.group_of(family)
+    if group.world_size == 1:  # nothing is broadcast
         return wrapped(*args, **kwargs)
+    number, slug = divergence.label(site)
+    if len(tensors) == 1 and group.rank_in_group:
+        # One tensor, broadcast in place: rank 0's value is received into a tensor of its
+        # own, and one launch compares it with this rank's and writes it there.
+        received = wrapped(family, site, tensors[0].new_empty(tensors[0].shape))
+        divergence.observe(number, slug, tensors, received, every, settle=True)
+        return tuple(tensors)
     # A packed broadcast sends copies in one block and leaves the tensors as they were:
-    # they are this rank's own values. Otherwise they are overwritten in place: copy first.
-    mine = tensors if pack.keeps_inputs(tensors) else divergence.copies(tensors)
+    # they are this rank's own values (and rank 0's own are rank 0's). Otherwise they are
+    # overwritten in place: copy first.
+    mine = tensors if pack.keeps_inputs(tensors) or not group.rank_in_group else divergence.copies(tensors)
     result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or the block's
-    divergence.observe(*divergence.label(site), mine, result, every)
+    divergence.observe(number, slug, mine, result, every)
     return result
 
 

@@ -11,13 +11,16 @@ capture (sglang warms every captured region up eagerly first); a first call insi
 capture is refused, since a tensor made there would be zeroed by every replay.
 
 On CUDA, where the pack's compiled kernel library serves (spectpsync.library), a site
-call costs one or two launches: the copy of every value the site broadcasts in place
-(`snapshot`: one launch into one block; none at a packed site) and one fused comparison
-(`count_divergence`: every (mine, theirs) pair compared bit for bit per element of the
-field's size, which is `ne` for the integer and bool values these sites broadcast, and
-[1, min(e, 1), e] added to the site's row). Elsewhere (the CPU, no kernel file, values it cannot take) torch ops
-serve: a clone per value, then ne, sum, clamp and one add per call, five to eight
-launches. Which one serves CUDA values is said once per process.
+call costs one fused launch (`count_divergence`: every (mine, theirs) pair compared bit
+for bit per element of the field's size, which is `ne` for the integer and bool values
+these sites broadcast, and [1, min(e, 1), e] added to the site's row). At the engine's
+SpecTpSync.sync a rank other than 0 receives rank 0's value into a tensor of its own, and
+the same launch copies it into the caller's where they differ (`settle`); rank 0 sends its
+own. At the pack's own broadcast a packed site leaves the inputs as they were, and a site
+broadcast in place is copied first (`snapshot`: one more launch). Elsewhere (the CPU, no
+kernel file, values it cannot take) torch ops serve: ne, sum, clamp and one add per call
+(and a clone or a copy per value), five to eight launches. Which one serves CUDA values is
+said once per process.
 
 Every `every` calls made from Python (a captured site replays without Python, so its
 replays reach the report at the next eager call), each device's counters are copied to
@@ -145,22 +148,26 @@ def _tally(device, capturing: bool, label: str) -> Tally:
     return tally
 
 
-def observe(number: int, slug: str, mine, theirs, every: int) -> None:
-    """Count one call of site `number`: `mine` the values this rank computed (kept before
-    the broadcast), `theirs` the same tensors after it (rank 0's)."""
+def observe(number: int, slug: str, mine, theirs, every: int, settle: bool = False) -> None:
+    """Count one call of site `number`: `mine` the values this rank computed, `theirs`
+    rank 0's (the same tensors after an in-place broadcast, with `mine` kept before it; or,
+    with `settle`, received apart: then rank 0's are copied into `mine` in the same launch)."""
     global _calls, _started
-    first = theirs[0]
+    first = mine[0]  # on the device of theirs (received apart, or the same tensors)
     tally = _tallies.get(first.device)
     if tally is None:
         tally = _tally(first.device, _capturing(first), f"{number}:{slug}")
     fused = (_fused if _fused is not None else _decide_fused()) if first.is_cuda else ()
-    if not (fused and fused[0](mine, theirs, tally.counts, number)):
+    if not (fused and fused[0](mine, theirs, tally.counts, number, settle)):
         if fused and number not in _said_torch:
             _said_torch.add(number)
             log.emit(f"tp_divergence compare: site {number}:{slug} with torch ops - the fused kernel takes up to 8 "
                      "contiguous values of 1, 2, 4 or 8-byte elements on one GPU", adapter="tp_divergence",
                      site=f"{number}:{slug}")
         _count_with_torch(tally, number, mine, theirs)
+        if settle:
+            for own, received in zip(mine, theirs):
+                own.copy_(received)
     _slugs.setdefault(number, slug)
     if not _started:  # the rank, fixed now: at exit the process group may be gone
         _started = True
