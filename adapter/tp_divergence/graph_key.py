@@ -100,7 +100,7 @@ def compare_forward(every, get_tp_group, wrapped, instance, args, kwargs):
 
         key = _replayed[1] if _replayed is not None and _replayed[0] is runner else EAGER
         mine = torch.full((1,), key, dtype=torch.int64, device=group.device)  # a fill: no host copy, no sync
-        theirs = mine.clone()
+        theirs = mine if group.rank_in_group == 0 else torch.empty_like(mine)  # rank 0 sends its own
         group.broadcast(theirs, src=0)
         divergence.observe(*divergence.label(SITE), (mine,), (theirs,), every)
     return result
