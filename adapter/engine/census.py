@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from .contract import Refused
+from . import syntax
 from .syntax import scoped_nodes
 
 # Kinds of reference (UNPARSED: a file holding a name that does not parse; never known).
@@ -168,7 +169,10 @@ def _file_references(module: str, path: str, data: bytes, names) -> list:
     """The identifier-bearing nodes of one file on the lines that hold one of `names`,
     with their scope. Nodes whose lines hold none of them are not visited."""
     try:
-        tree = ast.parse(data, filename=path)
+        try:  # as the contracts read it (utf-8 text): one parse per process serves both (syntax.parse)
+            tree = syntax.parse(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            tree = ast.parse(data, filename=path)
     except (SyntaxError, ValueError) as exc:  # unreadable: a reference there cannot be judged
         return [Reference(module, path, getattr(exc, "lineno", 0) or 0, "<module>", "", UNPARSED, None)]
     needles = [name.encode() for name in names]

@@ -48,11 +48,19 @@ def scoped_nodes(tree, enter=None):
         stack.extend((child, function) for child in reversed(list(ast.iter_child_nodes(node))))
 
 
+@functools.lru_cache(maxsize=128)
+def parse(source) -> ast.Module:
+    """A source text (str, or a file's bytes) parsed once per process, whichever check reads
+    it: a decision reads the same engine modules from several adapters, and nothing here
+    changes a tree. Raises what ast.parse raises (not cached)."""
+    return ast.parse(source)
+
+
 @functools.lru_cache(maxsize=64)
 def index(source: str) -> Index:
     """The source parsed and indexed once, however many checks read it."""
     index = Index()
-    for node, function in scoped_nodes(ast.parse(source)):
+    for node, function in scoped_nodes(parse(source)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             index.names.setdefault(node.id, []).append(Found(function, node.lineno, node))
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Optional
 
 from ..engine import census
+from ..engine import syntax
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
 from ..engine.installed import from_source
 from ..framework import patching
@@ -291,7 +292,7 @@ def _plain_function(contract: Contract, dotted: str):
 @functools.lru_cache(maxsize=16)
 def _classes(source: str) -> dict:
     """The module's top-level classes by name."""
-    return {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+    return {n.name: n for n in syntax.parse(source).body if isinstance(n, ast.ClassDef)}
 
 
 def _bound_names(statement) -> set:

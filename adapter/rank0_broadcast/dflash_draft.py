@@ -42,6 +42,7 @@ import ast
 import functools
 import textwrap
 
+from ..engine import syntax
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
 from ..framework.plan import Hook, Patch, Plan, check_hook
 from ..spectpsync import broadcast as pack
@@ -146,11 +147,10 @@ SAMPLER_BUILDERS = {"_DflashDraftSampler", "_SelectorDraftSampler", "_DominoDraf
                     "build_lilicorr_draft_sampler", "_eager"}
 
 
-@functools.lru_cache(maxsize=64)
 def _tree(text: str) -> ast.Module:
-    """A source text parsed once per process (every decision reads the same files; the trees
-    are only read)."""
-    return ast.parse(textwrap.dedent(text))
+    """A source text parsed once per process (syntax.parse: every decision reads the same
+    files; the trees are only read)."""
+    return syntax.parse(textwrap.dedent(text))
 
 
 def _defined(contract: Contract, name: str) -> bool:

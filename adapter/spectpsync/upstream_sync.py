@@ -43,6 +43,7 @@ import types
 from typing import Optional
 
 from ..engine import census
+from ..engine import syntax
 from ..engine.contract import POSITIONAL, Contract, Refused
 from ..engine.installed import from_source, sibling
 from .sites import MEMORY, Site, parse_numbers
@@ -170,9 +171,8 @@ def _other(contract: Contract, engine, name: str) -> Contract:
     return Contract(contract.adapter, module)
 
 
-@functools.lru_cache(maxsize=32)
 def _tree(text: str) -> ast.Module:
-    return ast.parse(text)
+    return syntax.parse(text)
 
 
 def _body(func: ast.FunctionDef) -> list:
