@@ -14,10 +14,10 @@ from ..spectpsync.broadcast import SERVED_ELSEWHERE
 from ..spectpsync.sites import Site, labels
 from . import divergence
 # The package defines these before it imports this file.
-from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, one_rank, when
+from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, abort_detail, one_rank, watchdog_dump, when
 
 
-def compare_broadcast(every, wrapped, instance, args, kwargs):
+def compare_broadcast(every, wrapped, instance, args, kwargs, abort=False):
     """Around the pack's broadcast(family, site, *tensors) (0.5.16 - 0.5.18)."""
     family, site, *tensors = args
     if pack.group_of(family).world_size == 1:  # nothing is broadcast
@@ -26,7 +26,7 @@ def compare_broadcast(every, wrapped, instance, args, kwargs):
     # they are this rank's own values. Otherwise they are overwritten in place: copy first.
     mine = tensors if pack.keeps_inputs(tensors) else divergence.copies(tensors)
     result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or the block's
-    divergence.observe(*divergence.label(site), mine, result, every)
+    divergence.observe(*divergence.label(site), mine, result, every, abort)
     return result
 
 
@@ -49,5 +49,8 @@ def plan(engine, setting, context) -> Plan:
     detail = (f"compares {labels(compared)} at the pack's broadcast ({pack.__name__}.broadcast); not compared: "
               f"{skipped}" + (f"; off in {selector}: {labels(off)}" if off else "")
               + f"; report every {setting.every} calls and at exit, {when(context)}")
+    dump, dump_detail = watchdog_dump.patch(engine)
+    detail += abort_detail(setting, "this release has no rank-consensus checker (0.5.19+)") + f"; {dump_detail}"
     return Plan("applied", detail,
-                [Patch(pack, "broadcast", functools.partial(compare_broadcast, setting.every))])
+                [Patch(pack, "broadcast", functools.partial(compare_broadcast, setting.every, abort=setting.abort)),
+                 dump])
