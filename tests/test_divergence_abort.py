@@ -148,3 +148,36 @@ def test_watchdog_dump_shows_the_report_state():
         else:
             want = f"tp_divergence: rank=0 device=cpu as of call {total}: no diverged call ({total} site calls)"
         assert set(ours) == {want}, ours
+
+
+class AddsOne:
+    """Rank 1's group in a world of one: rank 0's value is one more than ours; counts broadcasts."""
+
+    world_size, rank_in_group = 2, 1
+    broadcasts = 0
+
+    def broadcast(self, tensor, src=0):
+        self.broadcasts += 1
+        return tensor.add_(1)
+
+
+def test_a_stopped_rank_makes_no_further_broadcast(clean_env, capsys):
+    """An engine `except Exception` around a site call (DFlash's Triton accept falls back to its
+    eager path on any exception, dflash_worker_v2.py:2249 in 0.5.23) swallows the first Diverged:
+    the next site call raises it again before its broadcast, with no second line."""
+    import torch
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    runtime.apply(runtime.decide({t.FLAG: "abort"}, names=(t.NAME,)))
+    divergence.forget()
+    group = AddsOne()
+    tp_sync = SpecTpSync(group)
+    try:
+        tp_sync.sync(S.DFLASH_TARGET, torch.arange(4))
+    except Exception as swallowed:  # as the engine's fallback does
+        assert isinstance(swallowed, divergence.Diverged)
+    with pytest.raises(divergence.Diverged, match="site=16:dflash-target rank=launcher step=1 mine=0 rank0=1"):
+        tp_sync.sync(S.DFLASH_ACCEPT_GREEDY, torch.arange(4))
+    assert group.broadcasts == 1
+    assert len([line for line in capsys.readouterr().err.splitlines() if " tp_divergence abort:" in line]) == 1
+    divergence.forget()

@@ -117,6 +117,7 @@ def _compare_sync(every, wrapped, instance, args, kwargs, abort=False):
     site, values = _site_and_values(*args, **kwargs)
     if not instance.enabled(site):
         return wrapped(*args, **kwargs)
+    divergence.raise_if_stopped()
     mine = divergence.copies((values,))  # sync broadcasts in place
     result = wrapped(*args, **kwargs)
     divergence.observe(*divergence.label(site), mine, (result,), every, abort)

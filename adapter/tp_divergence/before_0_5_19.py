@@ -22,6 +22,7 @@ def compare_broadcast(every, wrapped, instance, args, kwargs, abort=False):
     family, site, *tensors = args
     if pack.group_of(family).world_size == 1:  # nothing is broadcast
         return wrapped(*args, **kwargs)
+    divergence.raise_if_stopped()
     # A packed broadcast sends copies in one block and leaves the tensors as they were:
     # they are this rank's own values. Otherwise they are overwritten in place: copy first.
     mine = tensors if pack.keeps_inputs(tensors) else divergence.copies(tensors)

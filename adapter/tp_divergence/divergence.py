@@ -101,6 +101,7 @@ _said_torch: set = set()  # sites whose values the fused kernel could not take, 
 _labels: dict = {}  # id(site member) -> (number, slug): Enum's .name costs about a microsecond per read
 _abort = False  # the last call's setting: stop at the first divergence seen
 _last_diverged: Optional[int] = None  # the site whose diverged count grew in the latest landed read
+_stopped: Optional[str] = None  # the abort's line, once raised: every later site call raises it before its broadcast
 
 
 class Diverged(RuntimeError):
@@ -224,7 +225,10 @@ def _record_first(tally, number, mine, theirs) -> None:
 
     if not sum(t.numel() for t in theirs):
         return
-    flat = lambda ts: torch.cat([t.reshape(-1).to(torch.int64) for t in ts])  # noqa: E731
+    def flat(values):
+        return torch.cat([t.reshape(-1).to(torch.int64) for t in values]) if len(values) > 1 else \
+            values[0].reshape(-1).to(torch.int64)
+
     own, zero = flat(mine), flat(theirs)
     differ = own.ne(zero)
     at = differ.to(torch.uint8).argmax().view(1)  # the first differing element (0 where none)
@@ -235,6 +239,7 @@ def _record_first(tally, number, mine, theirs) -> None:
 
 def _stop_if_diverged() -> None:
     """Raise Diverged, after one line, where a landed read shows a diverged call."""
+    global _stopped
     for tally in _tallies.values():
         diverged = tally.reported[:, DIVERGED_CALLS].nonzero().flatten().tolist()  # host memory
         if diverged:
@@ -246,7 +251,16 @@ def _stop_if_diverged() -> None:
                        f"element={element} (the site's call {step} first differed from rank 0's; seen after {calls} "
                        f"calls, {diverged_calls} diverged, {elements} elements; {ABORT_FLAG})")
             log.emit(message, adapter="tp_divergence", site=site, step=step, mine=mine, rank0=theirs, element=element)
+            _stopped = message
             raise Diverged(message)
+
+
+def raise_if_stopped() -> None:
+    """Called by the wrappers before a broadcast: once this rank has stopped, an engine
+    `except Exception` around a site call (0.5.16 - 0.5.23 DFlash's Triton accept falls back
+    to its eager path on any exception) must not lead it into one more collective than rank 0."""
+    if _stopped is not None:
+        raise Diverged(_stopped)
 
 
 def dump() -> str:
@@ -339,15 +353,15 @@ def totals() -> dict[str, list[int]]:
 def forget() -> None:
     """Drop every device's counters and the comparison's decision (tests): the next call
     makes them anew."""
-    global _reading, _fused
+    global _reading, _fused, _stopped
     _tallies.clear()
-    _reading, _fused = False, None
+    _reading, _fused, _stopped = False, None, None
     _said_torch.clear()
 
 
 def reset() -> None:
     """Zero the counters in place (a captured graph keeps writing the same tensors)."""
-    global _calls, _reading, _last_diverged
+    global _calls, _reading, _last_diverged, _stopped
     for tally in _tallies.values():
         if tally.in_flight and tally.event is not None:
             tally.event.synchronize()
@@ -358,7 +372,7 @@ def reset() -> None:
         tally.landed_firsts.zero_()
         tally.landed_at = 0
     _calls, _reading = 0, False
-    _last_diverged = None
+    _last_diverged = _stopped = None
 
 
 def _export(delta) -> None:
