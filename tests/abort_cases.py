@@ -77,3 +77,28 @@ def watchdog_case(rank, world_size, n, k):
     scheduler.is_initializing = False  # inactive: no dump past this point
     time.sleep(0.3)
     return {"steps": n}
+
+
+def pack_case(rank, world_size, n, k):
+    """sglang 0.5.18: the pack's own broadcast (rank0_broadcast on), the accept triple packed
+    into one collective, rank 1's bonus of request 2 skewed at step k, with abort."""
+    from sglang_dsv41_adapters.spectpsync import broadcast as b
+    from sglang_dsv41_adapters.spectpsync.sites import Site
+    from tests.broadcast_cases import _bind
+
+    _bind(rank, world_size)
+    decision = _configure({"DSV41_SPEC_TP_SYNC": "all", "DSV41_TP_DIVERGENCE": "abort"},
+                          names=("rank0_broadcast", "tp_divergence"))
+    done = 0
+    try:
+        for i in range(1, n + 1):
+            bonus = torch.arange(BS) + 100 + i
+            bonus[2] += int(rank == 1 and i == k)
+            b.broadcast(b.DSPARK, Site.DSPARK_ACCEPT_GREEDY, torch.full((BS,), 2), bonus,
+                        torch.zeros(BS, dtype=torch.int64))
+            done = i
+    except RuntimeError as exc:
+        if "tp_divergence abort" in str(exc):
+            raise
+        return {"states": [o.state for o in decision.outcomes], "done": done, "peer_gone": type(exc).__name__}
+    return {"states": [o.state for o in decision.outcomes], "done": done}

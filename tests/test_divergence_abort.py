@@ -19,6 +19,7 @@ from sglang_dsv41_adapters import tp_divergence as t
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.flags import FlagError
 from sglang_dsv41_adapters.tp_divergence import divergence, watchdog_dump
+from tests.divergence_cases import BS
 
 N, K = 8, 5
 # rank 1's bonus of request 2 (100 + 2 + K at step K) is one more there than on rank 0
@@ -26,11 +27,11 @@ ABORT_LINE = re.compile(r"rank=1 tp_divergence abort: site=8:dspark-accept-greed
                         r"rank0=(\d+) element=(\d+) ")
 
 
-def ranks_ending_as_they_may(target, kwargs, world_size=2, timeout=120):
+def ranks_ending_as_they_may(target, kwargs, world_size=2, timeout=120, release="0.5.23"):
     """Each rank's (exit status, result or None, stderr); unlike run_ranks, a rank may fail."""
     port = _free_port()
     procs = [zygote.popen([python(), "-m", "harness._rank_main", target, json.dumps(kwargs)], cwd=ROOT,
-                          env=engine_env("0.5.23") | dict(RANK=str(rank), WORLD_SIZE=str(world_size),
+                          env=engine_env(release) | dict(RANK=str(rank), WORLD_SIZE=str(world_size),
                                                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world_size)]
     out = []
@@ -181,3 +182,16 @@ def test_a_stopped_rank_makes_no_further_broadcast(clean_env, capsys):
     assert group.broadcasts == 1
     assert len([line for line in capsys.readouterr().err.splitlines() if " tp_divergence abort:" in line]) == 1
     divergence.forget()
+
+
+def test_abort_at_the_pack_broadcast_on_0518():
+    """The pack's packed accept triple (one collective; values flattened: accept lengths, bonus,
+    the third field): rank 1 stops at step K, naming element BS + 2 (request 2's bonus)."""
+    ranks = ranks_ending_as_they_may("tests.abort_cases:pack_case", {"n": N, "k": K}, release="0.5.18")
+    (code0, result0, err0), (code1, result1, err1) = ranks
+    assert code1 != 0 and result1 is None, err1[-3000:]
+    (line,) = pack_lines(err1)
+    assert f"site=8:dspark-accept-greedy rank=1 step={K} mine={102 + K + 1} rank0={102 + K} element={BS + 2} " in line
+    # one collective per step: rank 0 completed step K, its next broadcast found rank 1 gone
+    assert result0["states"] == ["applied", "applied"] and result0["done"] == K and "peer_gone" in result0
+    assert pack_lines(err0) == []
