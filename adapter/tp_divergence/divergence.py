@@ -225,16 +225,21 @@ def _record_first(tally, number, mine, theirs) -> None:
 
     if not sum(t.numel() for t in theirs):
         return
-    def flat(values):
-        return torch.cat([t.reshape(-1).to(torch.int64) for t in values]) if len(values) > 1 else \
-            values[0].reshape(-1).to(torch.int64)
-
-    own, zero = flat(mine), flat(theirs)
+    own, zero = _flat(mine), _flat(theirs)
     differ = own.ne(zero)
     at = differ.to(torch.uint8).argmax().view(1)  # the first differing element (0 where none)
     row = torch.cat([tally.counts[number, CALLS:CALLS + 1] + 1, at, own.index_select(0, at), zero.index_select(0, at)])
     kept = tally.firsts[number]
     kept.copy_(torch.where(differ.any() & (kept[STEP] == 0), row, kept))
+
+
+def _flat(values):
+    """The values as one int64 row, one after another (no copy where one int64 value is given)."""
+    import torch
+
+    if len(values) == 1:
+        return values[0].reshape(-1).to(torch.int64)
+    return torch.cat([t.reshape(-1).to(torch.int64) for t in values])
 
 
 def _stop_if_diverged() -> None:
