@@ -83,7 +83,7 @@ def note_replayed(wrapped, instance, args, kwargs):
     return result
 
 
-def compare_forward(every, get_tp_group, wrapped, instance, args, kwargs):
+def compare_forward(every, get_tp_group, wrapped, instance, args, kwargs, abort=False):
     """Around ModelRunner._forward_raw: after a target forward that took the decode graph
     decision, rank 0's replayed key (EAGER if none) broadcast and compared with this rank's."""
     global _replayed
@@ -98,15 +98,16 @@ def compare_forward(every, get_tp_group, wrapped, instance, args, kwargs):
     if decided and group.world_size > 1:
         import torch
 
+        divergence.raise_if_stopped()  # a stopped rank enters no collective rank 0 does not
         key = _replayed[1] if _replayed is not None and _replayed[0] is runner else EAGER
         mine = torch.full((1,), key, dtype=torch.int64, device=group.device)  # a fill: no host copy, no sync
         theirs = mine if group.rank_in_group == 0 else torch.empty_like(mine)  # rank 0 sends its own
         group.broadcast(theirs, src=0)
-        divergence.observe(*divergence.label(SITE), (mine,), (theirs,), every)
+        divergence.observe(*divergence.label(SITE), (mine,), (theirs,), every, abort)
     return result
 
 
-def plan(engine, every: int) -> Plan:
+def plan(engine, every: int, abort: bool = False) -> Plan:
     """The two patches, once the sources show the placement holds on `engine`."""
     modules = target_modules(NAME, engine, ((MODEL_RUNNER, True), (GRAPH_RUNNER, True), (PARALLEL, True)))
     runner, graph = Contract(NAME, modules[MODEL_RUNNER]), Contract(NAME, modules[GRAPH_RUNNER])
@@ -125,5 +126,5 @@ def plan(engine, every: int) -> Plan:
               f"{MODEL_RUNNER}.{FORWARD} at every forward that takes the decode graph decision, over the TP group: "
               "one int64 broadcast per decode step")
     return Plan("applied", detail, [
-        Patch(runner.attr("ModelRunner"), "_forward_raw", functools.partial(compare_forward, every, get_tp_group)),
+        Patch(runner.attr("ModelRunner"), "_forward_raw", functools.partial(compare_forward, every, get_tp_group, abort=abort)),
         Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)])
