@@ -96,7 +96,7 @@ def compare_forward(every, batch_group, wrapped, instance, args, kwargs, abort=F
     decided = (mode.is_cpu_graph if instance.device == "cpu" else mode.is_cuda_graph)()  # the engine's mode_check
     _replayed = None
     result = wrapped(*args, **kwargs)
-    group = batch_group()
+    group = batch_group(instance.server_args)
     if decided and group.world_size > 1:
         import torch
 
