@@ -10,8 +10,10 @@ each repetition), for gamma 3 and 7 and bs 1 and 64:
            triple through the real dspark_verify.build_accept_outs (8): gamma + 4 broadcasts
   pack     one step through the pack's broadcast (0.5.16 - 0.5.18): gamma draft broadcasts
            and the accept triple packed into one
-each with the report off, on (DSV41_TP_DIVERGENCE_EVERY at its default) and on with a
-read every call (EVERY=1: what one read of the counters costs); and, in the same ranks,
+each with the report off, on (DSV41_TP_DIVERGENCE_EVERY at its default), on with a
+read every call (EVERY=1: what one read of the counters costs) and abort
+(DSV41_TP_DIVERGENCE=abort: the first diverging call recorded with torch ops, a read started
+and the landed one looked at every call); and, in the same ranks,
 per_call_no_collective: host time per SpecTpSync.sync call over a stand-in group whose
 broadcast is one in-place add (what the comparison itself adds, without gloo's latency).
 
@@ -20,7 +22,8 @@ broadcast is one in-place add on the device (standing in for the collective's la
 real NCCL figures are issue 16's). Per site call, bs 1 / 64 / 256: eager host time, and
 the GPU time per call of a captured graph of 32 site calls, report off, on (the kernel
 library's fused comparison and one-launch copy of mine, issue 26; the line printed first
-says whether it serves) and on_torch (torch ops, the library switched off).
+says whether it serves), on_torch (torch ops, the library switched off) and abort (on, plus
+the first diverging call recorded with torch ops; eagerly also a read every call).
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: F401  (o
 from sglang_dsv41_adapters.framework import runtime  # noqa: E402
 from sglang_dsv41_adapters import tp_divergence as t  # noqa: E402
 
-VARIANTS = ("off", "on", "on_read_every_call")
+VARIANTS = ("off", "on", "on_read_every_call", "abort")
 
 
 def report_env(variant: str) -> dict:
     if variant == "off":
         return {}
-    return {t.FLAG: "1", t.EVERY_FLAG: "1" if variant == "on_read_every_call" else str(t.DEFAULT_EVERY)}
+    return {t.FLAG: "abort" if variant == "abort" else "1",
+            t.EVERY_FLAG: "1" if variant == "on_read_every_call" else str(t.DEFAULT_EVERY)}
 
 
 def switch(variant: str) -> None:
@@ -71,7 +75,8 @@ def pack_broadcast(variant: str):
     if variant == "off":
         return b.broadcast
     every = int(report_env(variant)[t.EVERY_FLAG])
-    return wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, every))
+    return wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, every,
+                                                                abort=variant == "abort"))
 
 
 def timed(run, steps: int) -> float:
@@ -158,6 +163,7 @@ def run_cpu(opts) -> dict:
              "2 gloo ranks on this CPU; + over off",
              f"{'case':<28}{'rank':>5}" + "".join(f"{v:>26}" for v in ("engine " + x for x in VARIANTS))
              + "".join(f"{v:>24}" for v in ("pack " + x for x in VARIANTS))]
+    per_path = len(VARIANTS)
     for case in ranks[0]:
         if case == "diverged":
             continue
@@ -169,7 +175,8 @@ def run_cpu(opts) -> dict:
                     continue
                 off = row[f"{path}/off"]
                 cells += [f"{off:.1f}"] + [f"{row[f'{path}/{v}']:.1f} (+{row[f'{path}/{v}'] - off:.1f})" for v in VARIANTS[1:]]
-            lines.append(f"{case:<28}{rank:>5}" + "".join(f"{c:>26}" for c in cells[:3]) + "".join(f"{c:>24}" for c in cells[3:]))
+            lines.append(f"{case:<28}{rank:>5}" + "".join(f"{c:>26}" for c in cells[:per_path])
+                         + "".join(f"{c:>24}" for c in cells[per_path:]))
     print("\n".join(lines))
     assert all(not r["diverged"] for r in ranks), [r["diverged"] for r in ranks]
     return {"mode": "cpu-gloo-2", "ranks": ranks}
@@ -201,7 +208,7 @@ def run_gpu(opts) -> dict:
     tp_sync = SpecTpSync(stand_in)
     per_graph = 32
     out = {}
-    gpu_variants = ("off", "on", "on_torch")
+    gpu_variants = ("off", "on", "on_torch", "abort")
 
     def switch_gpu(variant):
         switch(variant.replace("_torch", ""))
@@ -239,15 +246,17 @@ def run_gpu(opts) -> dict:
         out[f"bs{bs}"] = {k: statistics.median(v) for k, v in times.items()}
     switch_gpu("off")
     print(f"per site call, us (median): eager = host time, captured = GPU time per call in a graph of 32; "
-          f"on = {' - '.join(divergence.compare_mode())}, on_torch = torch ops")
-    print(f"{'bs':<8}{'eager off':>12}{'eager on':>18}{'eager on_torch':>20}{'captured off':>15}{'captured on':>18}"
-          f"{'captured on_torch':>20}")
+          f"on = {' - '.join(divergence.compare_mode())}, on_torch = torch ops, abort = on + the first diverging "
+          "call recorded with torch ops (+ a read every eager call)")
+    print(f"{'bs':<8}{'eager off':>12}{'eager on':>18}{'eager on_torch':>20}{'eager abort':>20}{'captured off':>15}"
+          f"{'captured on':>18}{'captured on_torch':>20}{'captured abort':>20}")
     for case, row in out.items():
         cells = []
         for kind, width in (("eager", 12), ("captured", 15)):
             off = row[f"{kind}/off"]
             cells.append(f"{off:>{width}.2f}" + "".join(
-                f"{row[f'{kind}/{v}']:>{w}.2f} ({row[f'{kind}/{v}'] - off:+.2f})" for v, w in (("on", 9), ("on_torch", 11))))
+                f"{row[f'{kind}/{v}']:>{w}.2f} ({row[f'{kind}/{v}'] - off:+.2f})"
+                for v, w in (("on", 9), ("on_torch", 11), ("abort", 11))))
         print(f"{case:<8}" + "".join(cells))
     return {"mode": "cuda-one-process", "device": torch.cuda.get_device_name(), "compare": divergence.compare_mode(),
             "results": out}

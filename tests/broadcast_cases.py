@@ -252,20 +252,17 @@ def group_rule_case(rank, world_size):
     tp, attn = object(), object()
     picked = {}
     for dp in (False, True):
-        rc_get = rc.get_parallel
-        rc.get_parallel = lambda dp=dp: types.SimpleNamespace(enable_dp_attention=dp, tp_group=tp,
-                                                              attn_tp_group=attn)
-        try:
+        # the engine's own runtime context (no configuration published: no enable_dp_attention
+        # there, as on 0.5.16 - 0.5.17 at all); DP attention from the worker's server arguments
+        with rc.get_parallel().override(tp_group=tp, attn_tp_group=attn):
             for family, cls in (("dspark", mods[r.DSPARK_WORKER].DSparkWorkerV2),
                                 ("dflash", mods[r.DFLASH_WORKER].DFlashWorkerV2)):
                 try:
-                    cls(None, 0, None, 0, None)
+                    cls(types.SimpleNamespace(enable_dp_attention=dp), 0, None, 0, None)
                 except Exception:
                     pass
                 group = group_of(family)
                 picked[f"{family}-dp{int(dp)}"] = "attn" if group is attn else "tp" if group is tp else "none"
-        finally:
-            rc.get_parallel = rc_get
     _configure(None)
     return picked
 

@@ -66,6 +66,7 @@ def _model_runner():
     mr = object.__new__(ModelRunner)
     state = dict(
         device="cpu", is_draft_worker=False, hisparse_coordinator=None, attn_backend=None, device_timer=None,
+        server_args=SimpleNamespace(enable_dp_attention=False),  # the ranks of one batch: the TP group
         model=SimpleNamespace(shared_experts_config=None),
         spec_algorithm=SimpleNamespace(is_dflash_family=lambda: False, is_ngram=lambda: False),
         pp_group=SimpleNamespace(is_last_rank=True),

@@ -15,6 +15,11 @@ launch and the report compares with one fused launch per site call; the counts e
 torch ops' (the library switched off) inside and outside graphs, and the block keeps every
 field's values, dtype and shape.
 
+Issue 23: with DSV41_TP_DIVERGENCE=abort, eager calls start a read every call and look at
+the landed one without waiting (sync debug mode "error"), and stop at the diverging call or
+a later one once the copy lands; captured replays never stop (no Python runs), the next eager
+calls do, naming the replay's call and both values recorded on the device.
+
 Skipped without CUDA. On the GPU machine, with the pack and the sglang 0.5.23 sources on
 PYTHONPATH: `python3 -m pytest tests/test_divergence_gpu.py -q -rA`.
 """
@@ -335,3 +340,77 @@ def test_fused_counts_equal_the_torch_ops_counts_in_graphs_and_eagerly():
         b.reset()
         divergence.reset()
     assert got == {key: expected for key in got}, got
+
+
+# --- issue 23: DSV41_TP_DIVERGENCE=abort -----------------------------------------------------
+
+@pytest.fixture
+def abort_on(monkeypatch):
+    from harness.doctored import DoctoredEngine
+
+    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
+    decision = runtime.decide({t.FLAG: "abort"}, DoctoredEngine({}), names=(t.NAME,))
+    runtime.apply(decision)
+    yield decision
+    runtime.revert()
+    divergence.reset()
+
+
+def calls_until_stopped(call, limit=8) -> tuple[int, str]:
+    """Eager calls, each under sync debug mode "error", until one raises Diverged: (its index, its line)."""
+    for i in range(limit):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        except divergence.Diverged as stopped:
+            return i, str(stopped)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()  # the test's, not the pack's: lets the started read land
+    raise AssertionError(f"no Diverged within {limit} eager calls")
+
+
+def test_abort_eager_stops_without_a_host_sync(abort_on):
+    """Eager calls read the counters every call without waiting; a skew at call j stops the
+    rank at call j or, where the copy has not landed yet, a later one, naming call j + 1."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    skew = torch.zeros((), dtype=torch.int64, device="cuda")
+    tp_sync = SpecTpSync(SkewedGroup(skew))
+    values = torch.arange(BS, device="cuda")
+    tp_sync.sync(S.DSPARK_TARGET, values.clone())  # makes the counters
+    torch.cuda.synchronize()
+    divergence.reset()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # REPLAYS calls that agree: a read started and the landed one looked at in each, no wait
+        for _ in range(REPLAYS):
+            tp_sync.sync(S.DSPARK_TARGET, values.clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    skew.fill_(1)  # from the site's call REPLAYS + 1 on, rank 0's value is one more than ours
+    at, line = calls_until_stopped(lambda: tp_sync.sync(S.DSPARK_TARGET, values.clone()))
+    print(f"stopped {at} eager call(s) after the diverging one")
+    assert "site=11:dspark-target rank=" in line and f"step={REPLAYS + 1} mine=0 rank0=1 element=0 " in line
+
+
+def test_abort_captured_stops_at_the_next_eager_call(abort_on):
+    """A captured site replays without Python: the replays never stop the rank; the next
+    eager call(s) see the landed copy and stop it, naming the replay's call and both values."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    skew = torch.zeros((), dtype=torch.int64, device="cuda")
+    skewed = SpecTpSync(SkewedGroup(skew))
+    source = torch.arange(BS, device="cuda") + 5
+    accept = torch.empty_like(source)
+
+    def region():
+        accept.copy_(source)
+        skewed.sync(S.DSPARK_ACCEPT_GRAPH, accept)
+
+    capture_and_replay(region, skew)  # SKEWED replays diverge; no host sync, no exception
+    first = min(SKEWED) + 1  # the site's call number of the first skewed replay
+    assert divergence.totals()["10:dspark-accept-graph"][:2] == [REPLAYS, len(SKEWED)]
+    skew.zero_()
+    at, line = calls_until_stopped(region)
+    print(f"stopped at eager call {at} after the replays")
+    assert "site=10:dspark-accept-graph rank=" in line and f"step={first} mine=5 rank0=6 element=0 " in line

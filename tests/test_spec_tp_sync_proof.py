@@ -47,7 +47,9 @@ ON = {r0.NAME: {r0.FLAG: "all"}, gm.NAME: {gm.FLAG: "1"}, td.NAME: {td.FLAG: "1"
 # What a copy of the sources needs besides the speculative package (the proof's own modules).
 SOURCE_FILES = ["srt/environ.py", "srt/distributed/parallel_state.py", "srt/utils/__init__.py", "srt/utils/common.py",
                 "srt/layers/dp_attention.py", "srt/arg_groups/speculative_hook.py",
-                "srt/arg_groups/model_overrides/minimax_m3.py"]
+                "srt/arg_groups/model_overrides/minimax_m3.py",
+                # tp_divergence's watchdog dump: the watchdog, and the scheduler's that passes dump_info
+                "srt/utils/watchdog.py", "srt/managers/scheduler_components/invariant_checker.py"]
 MINIMAX = "sglang.srt.arg_groups.model_overrides.minimax_m3"
 
 
@@ -336,6 +338,6 @@ def test_the_pack_own_wrappers_are_looked_through():
 
     environ = {td.FLAG: "1", gm.FLAG: "1"}
     runtime.apply(runtime.decide(environ, names=(td.NAME, gm.NAME)))  # deployment unknown: both applied
-    assert sorted(s.name for s in patching.applied()) == ["available_memory_gb", "sync"]
+    assert sorted(s.name for s in patching.applied()) == ["__init__", "available_memory_gb", "sync"]  # __init__: the watchdog's dump
     again = runtime.decide(environ, names=(td.NAME, gm.NAME), topology=TP4)
     assert [o.state for o in again.outcomes] == [runtime.APPLIED, runtime.SUPERSEDED], [o.reason for o in again.outcomes]

@@ -269,7 +269,7 @@ def test_doctor_reports_the_sites(clean_env):
 
     row = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == t.NAME)
     assert (row["outcome"], row["engine_check"]["outcome"]) == ("applied", "applied")
-    assert row["setting"] == {"every": 1000}
+    assert row["setting"] == {"every": 1000, "abort": False}
     assert "off: 17:dspark-draft" in row["reason"] and "handed over from DSV41_SPEC_TP_SYNC" in row["reason"]
     # doctor names what was proven of the engine's SpecTpSync, and for which deployment
     assert "shown from its source: SpecTpSync reads SGLANG_SPEC_TP_SYNC live" in row["reason"]

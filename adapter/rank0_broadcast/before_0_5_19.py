@@ -16,7 +16,7 @@ from ..engine import census
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, Refused
 from ..framework.plan import Hook, Plan, check_hook, combine
 from ..spectpsync import broadcast as pack
-from ..spectpsync.broadcast import DFLASH, DSPARK, SERVED_ELSEWHERE, bind_group, resolve_group
+from ..spectpsync.broadcast import DFLASH, DSPARK, SERVED_ELSEWHERE, bind_group, resolve_group, worker_server_args
 from ..spectpsync.sites import MEMORY, Site, labels
 # The package defines its name and flag before it imports this file.
 from . import FLAG, NAME
@@ -123,7 +123,7 @@ def _dflash_prefill(wrapped, instance, args, kwargs):
 def _recorder(family):
     """Resolve the family's group once, in its worker's __init__, outside the draft context."""
     def wrapper(wrapped, instance, args, kwargs):
-        bind_group(family, resolve_group())
+        bind_group(family, resolve_group(worker_server_args(args, kwargs)))
         return wrapped(*args, **kwargs)
 
     return wrapper
@@ -146,7 +146,8 @@ HOOKS = (
          ("DsparkVerifyEpilogue._accept",), tag=frozenset({Site.DSPARK_ACCEPT_GRAPH})),
     Hook(DSPARK_WORKER, "DSparkWorkerV2._forward_prefill", _dspark_prefill, {"self": POSITIONAL, "batch": POSITIONAL},
          tag=frozenset({Site.DSPARK_TARGET})),
-    Hook(DSPARK_WORKER, "DSparkWorkerV2.__init__", _recorder(DSPARK), {"self": POSITIONAL}, tag=DSPARK_SITES),
+    Hook(DSPARK_WORKER, "DSparkWorkerV2.__init__", _recorder(DSPARK), {"self": POSITIONAL, "server_args": POSITIONAL},
+         tag=DSPARK_SITES),
     Hook(DFLASH_WORKER, "compute_dflash_sampling_correct_drafts_and_bonus", _dflash_accept_sample,
          {"candidates": K}, FORWARD, tag=frozenset({Site.DFLASH_ACCEPT_SAMPLE})),
     Hook(DFLASH_WORKER, "compute_dflash_correct_drafts_and_bonus", _sync_target_predict("target_predict"),
@@ -155,7 +156,8 @@ HOOKS = (
          {"target_top1": POSITIONAL}, FORWARD, tag=frozenset({Site.DFLASH_ACCEPT_GREEDY})),
     Hook(DFLASH_WORKER, "DFlashWorkerV2._make_next_draft_input_prefill", _dflash_prefill,
          {"bonus_tokens": K, "seq_lens": K}, tag=frozenset({Site.DFLASH_TARGET})),
-    Hook(DFLASH_WORKER, "DFlashWorkerV2.__init__", _recorder(DFLASH), {"self": POSITIONAL}, tag=DFLASH_SITES),
+    Hook(DFLASH_WORKER, "DFlashWorkerV2.__init__", _recorder(DFLASH), {"self": POSITIONAL, "server_args": POSITIONAL},
+         tag=DFLASH_SITES),
 )
 # Where the markov head samples a draft block: its sampler= is what _SyncedHead wraps.
 SAMPLE_BLOCK_CALLERS = {DRAFT: ("sample_draft_block",), DRAFT_SAMPLER: ("DsparkDraftSampler.__call__",)}

@@ -46,7 +46,7 @@ from ..engine import syntax
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
 from ..framework.plan import Hook, Patch, Plan, check_hook
 from ..spectpsync import broadcast as pack
-from ..spectpsync.broadcast import DFLASH, bind_group, resolve_group
+from ..spectpsync.broadcast import DFLASH, bind_group, resolve_group, worker_server_args
 from ..spectpsync.sites import Site
 from . import NAME
 
@@ -94,7 +94,7 @@ def _plain_head(wrapped, instance, args, kwargs):
 def _record_group(wrapped, instance, args, kwargs):
     """0.5.16 - 0.5.18: resolve the DFlash group once, in the worker's __init__, outside the
     draft context (upstream's rule, as the pack's other DFlash sites there)."""
-    bind_group(DFLASH, resolve_group())
+    bind_group(DFLASH, resolve_group(worker_server_args(args, kwargs)))
     return wrapped(*args, **kwargs)
 
 
@@ -112,7 +112,7 @@ def _engine_group(wrapped, instance, args, kwargs):
 K, P = KEYWORD_ONLY, POSITIONAL
 SAMPLER_PARAMS = {"self": P, "hidden_states": P, "input_ids": P}
 TAG = frozenset({SITE})
-RECORDER = Hook(WORKER, INIT, _record_group, {"self": P}, tag=TAG)
+RECORDER = Hook(WORKER, INIT, _record_group, {"self": P, "server_args": P}, tag=TAG)
 ENGINE_GROUP = Hook(WORKER, INIT, _engine_group, {"self": P}, tag=TAG)
 PLAIN = Hook(WORKER, "DFlashWorkerV2._greedy_sample_from_vocab_parallel_head", _plain_head,
              {"hidden_states": K, "lm_head": K}, tag=TAG)

@@ -71,12 +71,21 @@ def _decide_packer():
     return _block_packer
 
 
-def resolve_group():
-    """Upstream's rule: the attention-TP group under DP attention, else the TP group."""
+def resolve_group(server_args):
+    """Upstream's rule: the attention-TP group under DP attention, else the TP group. DP
+    attention is read from the server arguments a worker is built with, as the engine's own
+    workers read it (its runtime context serves `enable_dp_attention` only from 0.5.18, and
+    only once the server has published its configuration)."""
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    return parallel.attn_tp_group if parallel.enable_dp_attention else parallel.tp_group
+    return parallel.attn_tp_group if server_args.enable_dp_attention else parallel.tp_group
+
+
+def worker_server_args(args, kwargs):
+    """The server arguments of a worker's __init__(self, server_args, ...) call (declared
+    POSITIONAL by the hooks that read it)."""
+    return args[0] if args else kwargs["server_args"]
 
 
 def bind_group(family: str, group) -> None:

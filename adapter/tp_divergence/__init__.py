@@ -5,6 +5,12 @@ often the ranks disagreed. With this flag on, each rank compares, at every activ
 broadcast site, the value it computed with the one rank 0 broadcast, and counts per
 site the calls, the calls that differed and the elements that differed, on the device
 (adapter.tp_divergence.divergence), reporting them every DSV41_TP_DIVERGENCE_EVERY calls and at exit.
+With DSV41_TP_DIVERGENCE=abort a rank also stops at the first divergence it sees: one line
+naming the site, the rank, the site's call and both values, then `divergence.Diverged`
+raised in the scheduler process, which the engine's run_scheduler_process catches, logs and
+answers with SIGQUIT to its parent, the launcher, which kills the process tree (0.5.23
+managers/scheduler.py:6370-6373, entrypoints/engine.py:1976-1982). The engine's watchdog dump
+gains the report's state (watchdog_dump).
 
 The sites are those broadcast on this deployment: on 0.5.16 - 0.5.18 the pack's own
 (rank0_broadcast's selection, through its `broadcast`); on 0.5.19+ the engine's
@@ -55,9 +61,18 @@ NOT_COMPARED_BEFORE_19 = {**NOT_COMPARED, Site.DSPARK_PLAN: "broadcast by the en
                           Site.DFLASH_SELECTOR: "does not exist before 0.5.19"}
 
 
+ABORT = "abort"
+# Why the engine's rank-consensus checker (0.5.19+) does not serve here: said in the abort's reason.
+CONSENSUS_WHY = ("the engine's rank-consensus checker (sglang.srt.utils.rank_consensus_checker, upstream PR #34406) "
+                 "is not used: it hashes scheduler-thread host state over its own gloo groups, while these sites are "
+                 "device tensors on the forward path, some replayed in CUDA graphs (a host hash per call would wait "
+                 "for the device)")
+
+
 @dataclass(frozen=True)
 class Setting:
     every: int
+    abort: bool = False  # stop the rank at the first divergence it sees
 
 
 def parse_every(environ: Mapping[str, str]) -> int:
@@ -72,7 +87,24 @@ def parse_every(environ: Mapping[str, str]) -> int:
 
 def parse(environ: Mapping[str, str] = os.environ) -> Optional[Setting]:
     every = parse_every(environ)  # a bad value is refused even with the report off
-    return Setting(every) if parse_switch(FLAG, environ) else None
+    raw = environ.get(FLAG)
+    if raw is not None and raw.lower() == ABORT:
+        return Setting(every, abort=True)
+    try:
+        return Setting(every) if parse_switch(FLAG, environ) else None
+    except FlagError:
+        raise FlagError(f"{FLAG}={raw!r} is not understood; accepted values are 1/on/true (report), {ABORT} (report "
+                        "and stop the rank at the first divergence it sees), 0/off/false/none (off), any case, no "
+                        f"spaces, or leave {FLAG} unset for off") from None
+
+
+def abort_detail(setting: Setting, consensus: str) -> str:
+    """What the reason line adds with abort: how the rank stops, and the engine's checker."""
+    if not setting.abort:
+        return ""
+    return (f"; {ABORT}: stops the rank at the first divergence a read shows (a read every eager call; a captured "
+            f"site's at the next eager call after its copy lands) with one line and an exception the engine's "
+            f"scheduler turns into SIGQUIT to the launcher; {consensus}")
 
 
 # ---------------------------------------------------------------- wrappers
@@ -82,7 +114,7 @@ def _site_and_values(site, values):
     return site, values
 
 
-def _compare_sync(every, wrapped, instance, args, kwargs):
+def _compare_sync(every, wrapped, instance, args, kwargs, abort=False):
     """Around SpecTpSync.sync(site, values) (0.5.19+): only where it broadcasts. sync is
     shown (upstream_sync) to broadcast its argument in place from rank 0 of its group and
     return it: rank 0 sends its own value; another rank has sync receive rank 0's into a
@@ -90,13 +122,14 @@ def _compare_sync(every, wrapped, instance, args, kwargs):
     site, values = _site_and_values(*args, **kwargs)
     if not instance.enabled(site):
         return wrapped(*args, **kwargs)
+    divergence.raise_if_stopped()
     number, slug = divergence.label(site)
     if instance._tp_group.rank_in_group == 0:
         result = wrapped(*args, **kwargs)
-        divergence.observe(number, slug, (values,), (result,), every)  # counts the call: rank 0's own value
+        divergence.observe(number, slug, (values,), (result,), every, abort)  # counts the call: rank 0's own value
         return result
     received = wrapped(site, values.new_empty(values.shape))  # contiguous, whatever the caller's layout
-    divergence.observe(number, slug, (values,), (received,), every, settle=True)
+    divergence.observe(number, slug, (values,), (received,), every, abort, settle=True)
     return values
 
 
@@ -147,11 +180,14 @@ def _engine_plan(engine, module, setting: Setting, context) -> Plan:
               + f"; report every {setting.every} calls and at exit, {when(context)}; shown from its source: "
               + "; ".join(shown) + f"; {upstream_sync.describe_groups(groups)}")
     owner = contract.attr("SpecTpSync")
-    patches = [Patch(owner, "sync", functools.partial(_compare_sync, setting.every))]
+    patches = [Patch(owner, "sync", functools.partial(_compare_sync, setting.every, abort=setting.abort))]
     if own:  # beside the engine's sites: the pack's broadcast, which serves only its own sites here
-        patches.append(Patch(pack, "broadcast", functools.partial(before_0_5_19.compare_broadcast, setting.every)))
+        patches.append(Patch(pack, "broadcast", functools.partial(before_0_5_19.compare_broadcast, setting.every,
+                                                                  abort=setting.abort)))
         detail += f"; the pack's own {labels(own)} compared at {pack.__name__}.broadcast"
-    return Plan("applied", detail, patches)
+    dump, dump_detail = watchdog_dump.patch(engine)
+    detail += abort_detail(setting, CONSENSUS_WHY) + f"; {dump_detail}"
+    return Plan("applied", detail, patches + [dump])
 
 
 def check(engine, setting: Setting, context) -> Plan:
@@ -162,11 +198,11 @@ def check(engine, setting: Setting, context) -> Plan:
     else:
         sites = before_0_5_19.plan(engine, setting, context)
     # the pack's report site 30, beside the broadcast sites on every release
-    return combine(NAME, engine.version, [sites, graph_key.plan(engine, setting.every)])
+    return combine(NAME, engine.version, [sites, graph_key.plan(engine, setting.every, setting.abort)])
 
 
 
-from . import before_0_5_19, graph_key  # noqa: E402  (it reads the names above)
+from . import before_0_5_19, graph_key, watchdog_dump  # noqa: E402  (before_0_5_19 reads the names above)
 
 LEDGER = Ledger(
     why="after a rank-0 broadcast every rank holds rank 0's value, which hides where and how often the ranks "

@@ -14,29 +14,30 @@ from ..spectpsync.broadcast import SERVED_ELSEWHERE
 from ..spectpsync.sites import REPORT_ONLY, Site, labels
 from . import divergence
 # The package defines these before it imports this file.
-from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, one_rank, when
+from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, abort_detail, one_rank, watchdog_dump, when
 
 
-def compare_broadcast(every, wrapped, instance, args, kwargs):
+def compare_broadcast(every, wrapped, instance, args, kwargs, abort=False):
     """Around the pack's broadcast(family, site, *tensors) (0.5.16 - 0.5.18, and the pack's
     own sites on 0.5.19+)."""
     family, site, *tensors = args
     group = pack.group_of(family)
     if group.world_size == 1:  # nothing is broadcast
         return wrapped(*args, **kwargs)
+    divergence.raise_if_stopped()
     number, slug = divergence.label(site)
     if len(tensors) == 1 and group.rank_in_group:
         # One tensor, broadcast in place: rank 0's value is received into a tensor of its
         # own, and one launch compares it with this rank's and writes it there.
         received = wrapped(family, site, tensors[0].new_empty(tensors[0].shape))
-        divergence.observe(number, slug, tensors, received, every, settle=True)
+        divergence.observe(number, slug, tensors, received, every, abort, settle=True)
         return tuple(tensors)
     # A packed broadcast sends copies in one block and leaves the tensors as they were:
     # they are this rank's own values (and rank 0's own are rank 0's). Otherwise they are
     # overwritten in place: copy first.
     mine = tensors if pack.keeps_inputs(tensors) or not group.rank_in_group else divergence.copies(tensors)
     result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or the block's
-    divergence.observe(number, slug, mine, result, every)
+    divergence.observe(number, slug, mine, result, every, abort)
     return result
 
 
@@ -59,5 +60,8 @@ def plan(engine, setting, context) -> Plan:
     detail = (f"compares {labels(compared)} at the pack's broadcast ({pack.__name__}.broadcast); not compared: "
               f"{skipped}" + (f"; off in {selector}: {labels(off)}" if off else "")
               + f"; report every {setting.every} calls and at exit, {when(context)}")
+    dump, dump_detail = watchdog_dump.patch(engine)
+    detail += abort_detail(setting, "this release has no rank-consensus checker (0.5.19+)") + f"; {dump_detail}"
     return Plan("applied", detail,
-                [Patch(pack, "broadcast", functools.partial(compare_broadcast, setting.every))])
+                [Patch(pack, "broadcast", functools.partial(compare_broadcast, setting.every, abort=setting.abort)),
+                 dump])

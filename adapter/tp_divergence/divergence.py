@@ -28,6 +28,16 @@ pinned host memory without waiting; the copy is printed once it has landed: one 
 per site that diverged since the last report. At interpreter exit the rest is printed.
 With the engine's metrics on (adapter.framework.metrics) the same counts also go to the counters
 sglang_adapters:tp_divergence_calls_total, _diverged_calls_total, _diverged_elements_total.
+
+With `abort` (DSV41_TP_DIVERGENCE=abort) a site call also records, with torch ops on the
+device, the site's first diverging call: its number, the first differing element and both
+values (`firsts`); and every eager call starts a read and looks at the copy that has landed
+(on the CPU at once; on CUDA once the copy lands, usually at the next eager call). On a
+diverged count it prints one line and raises `Diverged`, which ends the scheduler process
+through the engine's own path for an exception (module adapter.tp_divergence). A captured
+site replays without Python: its divergence stops the rank at the next eager call after the
+copy that holds it lands. `dump` is what the engine's watchdog prints on a hang: the last
+landed copy, nothing asked of the device.
 """
 
 from __future__ import annotations
@@ -39,8 +49,10 @@ from ..framework import log, metrics
 from ..spectpsync import library
 
 PREFIX = log.PREFIX
+ABORT_FLAG = "DSV41_TP_DIVERGENCE=abort"
 ROWS = 32  # site numbers index the rows (upstream's run 1-17)
 CALLS, DIVERGED_CALLS, DIVERGED_ELEMENTS = range(3)
+STEP, ELEMENT, MINE, THEIRS = range(4)  # a row of `firsts`: the site's first diverging call
 METRICS = (("calls", "calls of a rank-0 broadcast site with the divergence report on"),
            ("diverged_calls", "calls where this rank's own value differed from rank 0's"),
            ("diverged_elements", "elements where this rank's own value differed from rank 0's"))
@@ -64,9 +76,15 @@ class Tally:
         self.event = torch.cuda.Event() if cuda else None
         self.reported = torch.zeros(ROWS, 3, dtype=torch.int64)  # totals already reported
         self.in_flight = False
+        self.firsts = torch.zeros(ROWS, 4, dtype=torch.int64, device=device)  # written with abort only
+        self.host_firsts = torch.zeros(ROWS, 4, dtype=torch.int64, pin_memory=cuda)
+        self.landed_firsts = torch.zeros(ROWS, 4, dtype=torch.int64)  # as of the last landed read
+        self.read_at = self.landed_at = 0  # observe() calls made when the (last landed) read started
 
     def start_read(self) -> None:
         self.host.copy_(self.counts, non_blocking=True)
+        self.host_firsts.copy_(self.firsts, non_blocking=True)
+        self.read_at = _calls
         if self.event is not None:
             self.event.record()
         self.in_flight = True
@@ -84,6 +102,13 @@ _fused: Optional[tuple] = None  # (count_divergence, snapshot) of the kernel lib
 _use_kernel = True  # use_kernel() (tests, benchmarks)
 _said_torch: set = set()  # sites whose values the fused kernel could not take, said once each
 _labels: dict = {}  # id(site member) -> (number, slug): Enum's .name costs about a microsecond per read
+_abort = False  # the last call's setting: stop at the first divergence seen
+_last_diverged: Optional[int] = None  # the site whose diverged count grew in the latest landed read
+_stopped: Optional[str] = None  # the abort's line, once raised: every later site call raises it before its broadcast
+
+
+class Diverged(RuntimeError):
+    """This rank's value differed from rank 0's at a compared site, with DSV41_TP_DIVERGENCE=abort."""
 
 
 def label(site) -> tuple[int, str]:
@@ -148,15 +173,19 @@ def _tally(device, capturing: bool, label: str) -> Tally:
     return tally
 
 
-def observe(number: int, slug: str, mine, theirs, every: int, settle: bool = False) -> None:
+def observe(number: int, slug: str, mine, theirs, every: int, abort: bool = False, settle: bool = False) -> None:
     """Count one call of site `number`: `mine` the values this rank computed, `theirs`
     rank 0's (the same tensors after an in-place broadcast, with `mine` kept before it; or,
-    with `settle`, received apart: then rank 0's are copied into `mine` in the same launch)."""
-    global _calls, _started
+    with `settle`, received apart: then rank 0's are copied into `mine` in the same launch).
+    With `abort`, raise Diverged at the first divergence a landed read shows."""
+    global _calls, _started, _abort
     first = mine[0]  # on the device of theirs (received apart, or the same tensors)
     tally = _tallies.get(first.device)
     if tally is None:
         tally = _tally(first.device, _capturing(first), f"{number}:{slug}")
+    _abort = abort
+    if abort:  # before the count: the call's number is the count so far plus one
+        _record_first(tally, number, mine, theirs)
     fused = (_fused if _fused is not None else _decide_fused()) if first.is_cuda else ()
     if not (fused and fused[0](mine, theirs, tally.counts, number, settle)):
         if fused and number not in _said_torch:
@@ -176,12 +205,15 @@ def observe(number: int, slug: str, mine, theirs, every: int, settle: bool = Fal
     _calls += 1
     # Asked only where a read is due or in flight (torch's capture query costs host time at
     # every call): no copy or event query may be recorded into a graph.
-    if (_reading or _calls % every == 0) and not _capturing(first):
+    due = abort or _calls % every == 0
+    if (_reading or due) and not _capturing(first):
         if _reading:
             _print_landed()
-        if _calls % every == 0:
+        if due:
             _start_reads()
             _print_landed()
+        if abort:
+            _stop_if_diverged()
 
 
 def _count_with_torch(tally, number, mine, theirs) -> None:
@@ -190,6 +222,79 @@ def _count_with_torch(tally, number, mine, theirs) -> None:
     differed = [torch.ne(a, b).sum() for a, b in zip(mine, theirs)]
     elements = differed[0] if len(differed) == 1 else torch.stack(differed).sum()
     tally.counts[number].add_(torch.clamp(elements, tally.floor, tally.ceiling))
+
+
+def _record_first(tally, number, mine, theirs) -> None:
+    """Device ops only: where this call differs and the site has not diverged before, its
+    row of `firsts` becomes [call number, first differing element, mine, rank 0's] (as
+    int64, over the values flattened one after another)."""
+    import torch
+
+    if not sum(t.numel() for t in theirs):
+        return
+    own, zero = _flat(mine), _flat(theirs)
+    differ = own.ne(zero)
+    at = differ.to(torch.uint8).argmax().view(1)  # the first differing element (0 where none)
+    row = torch.cat([tally.counts[number, CALLS:CALLS + 1] + 1, at, own.index_select(0, at), zero.index_select(0, at)])
+    kept = tally.firsts[number]
+    kept.copy_(torch.where(differ.any() & (kept[STEP] == 0), row, kept))
+
+
+def _flat(values):
+    """The values as one int64 row, one after another (no copy where one int64 value is given)."""
+    import torch
+
+    if len(values) == 1:
+        return values[0].reshape(-1).to(torch.int64)
+    return torch.cat([t.reshape(-1).to(torch.int64) for t in values])
+
+
+def _stop_if_diverged() -> None:
+    """Raise Diverged, after one line, where a landed read shows a diverged call."""
+    global _stopped
+    for tally in _tallies.values():
+        diverged = tally.reported[:, DIVERGED_CALLS].nonzero().flatten().tolist()  # host memory
+        if diverged:
+            number = diverged[0]
+            step, element, mine, theirs = tally.landed_firsts[number].tolist()
+            calls, diverged_calls, elements = tally.reported[number].tolist()
+            site, rank = f"{number}:{_slugs.get(number, '?')}", log.process_label()
+            message = (f"tp_divergence abort: site={site} rank={rank} step={step} mine={mine} rank0={theirs} "
+                       f"element={element} (the site's call {step} first differed from rank 0's; seen after {calls} "
+                       f"calls, {diverged_calls} diverged, {elements} elements; {ABORT_FLAG})")
+            log.emit(message, adapter="tp_divergence", site=site, step=step, mine=mine, rank0=theirs, element=element)
+            _stopped = message
+            raise Diverged(message)
+
+
+def raise_if_stopped() -> None:
+    """Called by the wrappers before a broadcast: once this rank has stopped, an engine
+    `except Exception` around a site call (0.5.16 - 0.5.23 DFlash's Triton accept falls back
+    to its eager path on any exception) must not lead it into one more collective than rank 0."""
+    if _stopped is not None:
+        raise Diverged(_stopped)
+
+
+def dump() -> str:
+    """The report's state for the engine's watchdog: the last landed read of each device's
+    counters (host memory; the device, possibly wedged, is not asked), '' before any read."""
+    parts = []
+    for tally in _tallies.values():
+        if not tally.landed_at and not tally.reported.any():
+            continue
+        totals = tally.reported.sum(0).tolist()
+        where = f"rank={log.process_label()} device={tally.device} as of call {tally.landed_at}"
+        if _last_diverged is None or not tally.reported[_last_diverged, DIVERGED_CALLS]:
+            parts.append(f"tp_divergence: {where}: no diverged call ({totals[CALLS]} site calls)")
+            continue
+        number = _last_diverged
+        calls, diverged_calls, elements = tally.reported[number].tolist()
+        step = int(tally.landed_firsts[number, STEP])
+        parts.append(f"tp_divergence: {where}: last diverged site={number}:{_slugs.get(number, '?')} by its call "
+                     f"{calls} (diverged_calls={diverged_calls} diverged_elements={elements}"
+                     + (f", first at call {step}" if step else "") + f"); all sites: calls={totals[CALLS]} "
+                     f"diverged_calls={totals[DIVERGED_CALLS]} diverged_elements={totals[DIVERGED_ELEMENTS]}")
+    return "\n".join(parts)
 
 
 def _start_reads() -> None:
@@ -201,7 +306,7 @@ def _start_reads() -> None:
 
 
 def _print_landed(wait: bool = False) -> list[str]:
-    global _reading
+    global _reading, _last_diverged
     lines = []
     for tally in _tallies.values():
         if tally.in_flight and (wait or tally.landed()):
@@ -210,7 +315,13 @@ def _print_landed(wait: bool = False) -> list[str]:
             tally.in_flight = False
             delta = tally.host - tally.reported
             tally.reported.copy_(tally.host)
-            lines += _lines(delta)
+            tally.landed_firsts.copy_(tally.host_firsts)
+            tally.landed_at = tally.read_at
+            grew = delta[:, DIVERGED_CALLS].nonzero().flatten().tolist()
+            if grew:
+                _last_diverged = grew[-1]
+            if wait or not _abort:  # with abort the rank's one line says it, until the exit report
+                lines += _lines(delta)
             _export(delta)
     _reading = any(t.in_flight for t in _tallies.values())
     return lines
@@ -254,22 +365,26 @@ def totals() -> dict[str, list[int]]:
 def forget() -> None:
     """Drop every device's counters and the comparison's decision (tests): the next call
     makes them anew."""
-    global _reading, _fused
+    global _reading, _fused, _stopped
     _tallies.clear()
-    _reading, _fused = False, None
+    _reading, _fused, _stopped = False, None, None
     _said_torch.clear()
 
 
 def reset() -> None:
     """Zero the counters in place (a captured graph keeps writing the same tensors)."""
-    global _calls, _reading
+    global _calls, _reading, _last_diverged, _stopped
     for tally in _tallies.values():
         if tally.in_flight and tally.event is not None:
             tally.event.synchronize()
         tally.in_flight = False
         tally.counts.zero_()
         tally.reported.zero_()
+        tally.firsts.zero_()
+        tally.landed_firsts.zero_()
+        tally.landed_at = 0
     _calls, _reading = 0, False
+    _last_diverged = _stopped = None
 
 
 def _export(delta) -> None:

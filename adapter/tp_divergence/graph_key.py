@@ -6,7 +6,7 @@ The key is what `DecodeCudaGraphRunner.load_batch` picks (`self._replay_graph_ke
 self._make_graph_key(graph_size_key, ...)`: the padded batch size, or under ragged verify
 the token tier of the verify budget) and `execute` replays (`self.backend.replay(
 self._replay_graph_key, ...)`). No rank broadcasts it, so the report sends rank 0's: one
-int64 broadcast on the TP group per decode step, compared with this rank's by
+int64 broadcast per decode step over the ranks that run one batch, compared with this rank's by
 `divergence.observe` like the broadcast sites. A forward that ran eager compares 0 (EAGER),
 so a rank that replays while another runs eager (can_run_graph differs) is counted too.
 
@@ -37,8 +37,10 @@ a step whose differing keys already hang the replay's own collectives (the engin
 SGLANG_LOG_DECODE_GRAPH_KEY line, printed before the replay, names that one).
 
 `DecodeCudaGraphRunner.execute` is wrapped only to note the key it replayed (host, no
-collective). The group is the engine's TP group (`parallel_state.get_tp_group()`), the one a
-replayed graph's collectives run on. The report off: nothing is patched.
+collective). The group is the one whose ranks run one batch (upstream's rule, as the
+broadcast sites: the attention-TP group under DP attention, else the TP group): the
+divergence compared is of ranks that hold one batch, never of two DP groups' batches.
+The report off: nothing is patched.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import functools
 
 from ..engine.contract import POSITIONAL, Contract, target_modules
 from ..framework.plan import Patch, Plan
+from ..spectpsync.broadcast import resolve_group
 from ..spectpsync.sites import Site
 from . import divergence
 
@@ -55,7 +58,6 @@ SITE = Site.PACK_DECODE_GRAPH_KEY
 EAGER = 0  # compared by a forward that did not replay the decode graph (no key is 0)
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
-PARALLEL = "sglang.srt.distributed.parallel_state"
 FORWARD = "ModelRunner._forward_raw"
 EXECUTE = "DecodeCudaGraphRunner.execute"
 # What the sources must say for the placement above to hold (refused otherwise, symbol named).
@@ -83,7 +85,7 @@ def note_replayed(wrapped, instance, args, kwargs):
     return result
 
 
-def compare_forward(every, get_tp_group, wrapped, instance, args, kwargs):
+def compare_forward(every, batch_group, wrapped, instance, args, kwargs, abort=False):
     """Around ModelRunner._forward_raw: after a target forward that took the decode graph
     decision, rank 0's replayed key (EAGER if none) broadcast and compared with this rank's."""
     global _replayed
@@ -94,21 +96,22 @@ def compare_forward(every, get_tp_group, wrapped, instance, args, kwargs):
     decided = (mode.is_cpu_graph if instance.device == "cpu" else mode.is_cuda_graph)()  # the engine's mode_check
     _replayed = None
     result = wrapped(*args, **kwargs)
-    group = get_tp_group()
+    group = batch_group(instance.server_args)
     if decided and group.world_size > 1:
         import torch
 
+        divergence.raise_if_stopped()  # a stopped rank enters no collective rank 0 does not
         key = _replayed[1] if _replayed is not None and _replayed[0] is runner else EAGER
         mine = torch.full((1,), key, dtype=torch.int64, device=group.device)  # a fill: no host copy, no sync
         theirs = mine if group.rank_in_group == 0 else torch.empty_like(mine)  # rank 0 sends its own
         group.broadcast(theirs, src=0)
-        divergence.observe(*divergence.label(SITE), (mine,), (theirs,), every)
+        divergence.observe(*divergence.label(SITE), (mine,), (theirs,), every, abort)
     return result
 
 
-def plan(engine, every: int) -> Plan:
+def plan(engine, every: int, abort: bool = False) -> Plan:
     """The two patches, once the sources show the placement holds on `engine`."""
-    modules = target_modules(NAME, engine, ((MODEL_RUNNER, True), (GRAPH_RUNNER, True), (PARALLEL, True)))
+    modules = target_modules(NAME, engine, ((MODEL_RUNNER, True), (GRAPH_RUNNER, True)))
     runner, graph = Contract(NAME, modules[MODEL_RUNNER]), Contract(NAME, modules[GRAPH_RUNNER])
     runner.params(FORWARD, {"forward_batch": POSITIONAL})
     graph.params(EXECUTE, {"forward_batch": POSITIONAL})
@@ -120,10 +123,9 @@ def plan(engine, every: int) -> Plan:
                 raise contract.refuse(symbol, f"no longer reads `{needle}`: the decode graph key compared at "
                                               f"{SITE.label} is not shown to be the one replayed, after a decision "
                                               "every rank takes")
-    get_tp_group = Contract(NAME, modules[PARALLEL]).attr("get_tp_group")
     detail = (f"compares {SITE.label} (the decode graph key a target forward replays, {EAGER} for eager) after "
-              f"{MODEL_RUNNER}.{FORWARD} at every forward that takes the decode graph decision, over the TP group: "
+              f"{MODEL_RUNNER}.{FORWARD} at every forward that takes the decode graph decision, over the ranks that run one batch (attention-TP under DP attention, else TP): "
               "one int64 broadcast per decode step")
     return Plan("applied", detail, [
-        Patch(runner.attr("ModelRunner"), "_forward_raw", functools.partial(compare_forward, every, get_tp_group)),
+        Patch(runner.attr("ModelRunner"), "_forward_raw", functools.partial(compare_forward, every, resolve_group, abort=abort)),
         Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)])
