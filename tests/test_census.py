@@ -5,8 +5,6 @@ tests/doctored.py) and through `entrypoint.py doctor --engine` on a doctored sou
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 
 import pytest
 
