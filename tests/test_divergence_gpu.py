@@ -57,8 +57,11 @@ class SkewedGroup:
         self.skew, self.own = skew, own
 
     def broadcast(self, tensor, src=0):
-        # on the device, where a captured broadcast writes
-        torch.add(tensor if self.own is None else self.own, self.skew, out=tensor)
+        # on the device, where a captured broadcast writes; a tensor unlike `own` (a packed
+        # block) is skewed in place
+        own = self.own if self.own is not None and (tensor.shape, tensor.dtype) == (self.own.shape, self.own.dtype) \
+            else tensor
+        torch.add(own, self.skew, out=tensor)
         return tensor
 
 
@@ -308,9 +311,9 @@ def test_fused_counts_equal_the_torch_ops_counts_in_graphs_and_eagerly():
 
     device = torch.device("cuda")
     skew = torch.zeros((), dtype=torch.int64, device=device)
-    b.bind_group(b.DSPARK, SkewedGroup(skew))
-    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
     source = torch.arange(BS, device=device)
+    b.bind_group(b.DSPARK, SkewedGroup(skew, source))  # the draft's own is the source; the block skewed in place
+    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
     triple = [torch.empty(BS, dtype=torch.int32, device=device), torch.empty(BS, dtype=torch.int64, device=device),
               torch.empty(BS, dtype=torch.int32, device=device)]
     draft = torch.empty_like(source)
@@ -376,8 +379,8 @@ def test_abort_eager_stops_without_a_host_sync(abort_on):
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
 
     skew = torch.zeros((), dtype=torch.int64, device="cuda")
-    tp_sync = SpecTpSync(SkewedGroup(skew))
     values = torch.arange(BS, device="cuda")
+    tp_sync = SpecTpSync(SkewedGroup(skew, values))
     tp_sync.sync(S.DSPARK_TARGET, values.clone())  # makes the counters
     torch.cuda.synchronize()
     divergence.reset()
@@ -399,8 +402,8 @@ def test_abort_captured_stops_at_the_next_eager_call(abort_on):
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
 
     skew = torch.zeros((), dtype=torch.int64, device="cuda")
-    skewed = SpecTpSync(SkewedGroup(skew))
     source = torch.arange(BS, device="cuda") + 5
+    skewed = SpecTpSync(SkewedGroup(skew, source))
     accept = torch.empty_like(source)
 
     def region():
