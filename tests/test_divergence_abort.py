@@ -152,14 +152,17 @@ def test_watchdog_dump_shows_the_report_state():
 
 
 class AddsOne:
-    """Rank 1's group in a world of one: rank 0's value is one more than ours; counts broadcasts."""
+    """Rank 1's group in a world of one: rank 0's value is one more than ours (the callers here
+    pass arange), written over the tensor the broadcast receives into; counts broadcasts."""
 
     world_size, rank_in_group = 2, 1
     broadcasts = 0
 
     def broadcast(self, tensor, src=0):
+        import torch
+
         self.broadcasts += 1
-        return tensor.add_(1)
+        return tensor.copy_(torch.arange(tensor.numel()).view(tensor.shape) + 1)
 
 
 def test_a_stopped_rank_makes_no_further_broadcast(clean_env, capsys):

@@ -49,7 +49,9 @@ SOURCE_FILES = ["srt/environ.py", "srt/distributed/parallel_state.py", "srt/util
                 "srt/layers/dp_attention.py", "srt/arg_groups/speculative_hook.py",
                 "srt/arg_groups/model_overrides/minimax_m3.py",
                 # tp_divergence's watchdog dump: the watchdog, and the scheduler's that passes dump_info
-                "srt/utils/watchdog.py", "srt/managers/scheduler_components/invariant_checker.py"]
+                "srt/utils/watchdog.py", "srt/managers/scheduler_components/invariant_checker.py",
+                # its site 30: the model runner's forward and the decode graph runner
+                "srt/model_executor/model_runner.py", "srt/model_executor/runner/decode_cuda_graph_runner.py"]
 MINIMAX = "sglang.srt.arg_groups.model_overrides.minimax_m3"
 
 
@@ -338,6 +340,8 @@ def test_the_pack_own_wrappers_are_looked_through():
 
     environ = {td.FLAG: "1", gm.FLAG: "1"}
     runtime.apply(runtime.decide(environ, names=(td.NAME, gm.NAME)))  # deployment unknown: both applied
-    assert sorted(s.name for s in patching.applied()) == ["__init__", "available_memory_gb", "sync"]  # __init__: the watchdog's dump
+    # __init__: the watchdog's dump; _forward_raw and execute: site 30, the decode graph key
+    assert sorted(s.name for s in patching.applied()) == ["__init__", "_forward_raw", "available_memory_gb", "execute",
+                                                          "sync"]
     again = runtime.decide(environ, names=(td.NAME, gm.NAME), topology=TP4)
     assert [o.state for o in again.outcomes] == [runtime.APPLIED, runtime.SUPERSEDED], [o.reason for o in again.outcomes]
