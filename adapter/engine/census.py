@@ -21,6 +21,7 @@ import bisect
 import functools
 import gc
 import re
+import types
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -85,7 +86,7 @@ def sites(modules, functions, names, kinds, why: str) -> list[Site]:
 
 def references(engine, names) -> list[Reference]:
     """Every reference to `names` in the engine's sources, in file and line order."""
-    files = tuple(sorted(engine.files().items()))  # paths are str: python_files, __file__
+    files = _sorted_files(engine)
     names = tuple(sorted(set(names)))
     # Parsing builds many small objects; in a rank that has imported the engine, the
     # collector would walk its whole heap again and again (ten times the parse itself).
@@ -101,11 +102,26 @@ def references(engine, names) -> list[Reference]:
 
 def files_holding(engine, names) -> set:
     """The engine's source files (module, path) whose text holds any of `names`."""
-    files = tuple(sorted(engine.files().items()))  # paths are str: python_files, __file__
+    files = _sorted_files(engine)
     return set().union(*_holding(files, tuple(sorted(set(names)))).values())
 
 
 _HOLDING: dict = {}  # file set -> {name: files whose text holds it}
+_SORTED: dict = {}   # id(an engine's files mapping) -> (the mapping, its items sorted)
+
+
+def _sorted_files(engine) -> tuple:
+    """The engine's (module, path) pairs, sorted (paths are str: python_files, __file__).
+    python_files' mapping is cached and read-only: its sorted pairs are kept beside it."""
+    files = engine.files()
+    kept = _SORTED.get(id(files))
+    if kept is None or kept[0] is not files:
+        kept = (files, tuple(sorted(files.items())))
+        if isinstance(files, types.MappingProxyType):
+            _SORTED[id(files)] = kept
+            while len(_SORTED) > 8:
+                _SORTED.pop(next(iter(_SORTED)))
+    return kept[1]
 
 
 def reset() -> None:

@@ -8,7 +8,6 @@ symbol and the engine version: the engine must then not start.
 
 from __future__ import annotations
 
-import ast
 import inspect
 import os
 from collections.abc import Iterable
@@ -118,9 +117,7 @@ class Contract:
 
     def calls(self, name: str, *, method: bool) -> list["Found"]:
         """Calls `name(...)`, or with `method`, `<anything>.name(...)`."""
-        return [f for f in index(self.source()).calls
-                if (isinstance(f.node.func, ast.Attribute) and f.node.func.attr == name if method
-                    else isinstance(f.node.func, ast.Name) and f.node.func.id == name)]
+        return list(index(self.source()).calls_of.get((method, name), ()))
 
     def only_used_in(self, name: str, functions: Iterable[str], *, attribute: bool = False, required: bool = True,
                      ignore: Callable[["Found"], bool] = lambda found: False) -> list["Found"]:

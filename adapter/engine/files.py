@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import functools
 import os
+import types
+from collections.abc import Mapping
 
 
-def python_files(root) -> dict[str, str]:
-    """Module name -> path of every regular .py file under `root`/sglang (cached per root)."""
-    return dict(_python_files(str(root)))
+def python_files(root) -> Mapping[str, str]:
+    """Module name -> path of every regular .py file under `root`/sglang, in module order
+    (cached per root, read-only: every check of a decision reads it)."""
+    return _python_files(str(root))
 
 
 @functools.lru_cache(maxsize=8)
-def _python_files(root: str) -> tuple:
+def _python_files(root: str) -> Mapping[str, str]:
     found = []
     folders = [(os.path.join(root, "sglang"), "sglang")]
     while folders:
@@ -23,4 +26,4 @@ def _python_files(root: str) -> tuple:
                     folders.append((entry.path, f"{package}.{entry.name}"))
                 elif entry.name.endswith(".py") and entry.is_file():  # regular files only (no FIFO)
                     found.append((package if entry.name == "__init__.py" else f"{package}.{entry.name[:-3]}", entry.path))
-    return tuple(sorted(found))
+    return types.MappingProxyType(dict(sorted(found)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pathlib
+from collections.abc import Mapping
 from typing import Optional
 
 from .files import python_files
@@ -74,7 +75,7 @@ class InstalledEngine:
         """The module, or None when this release does not have it."""
         return importlib.import_module(name) if installed(name) else None
 
-    def files(self) -> dict:
+    def files(self) -> Mapping[str, str]:
         """Module name -> path of every .py file of the installed sglang package."""
         return python_files(installed_package().parent)
 

@@ -28,6 +28,7 @@ import stat
 import types
 import zipfile
 import zlib
+from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
 from .files import python_files
@@ -208,7 +209,7 @@ class SourceEngine:
                 return candidate
         return None
 
-    def files(self) -> dict:
+    def files(self) -> Mapping[str, str]:
         """Module name -> path of every .py file under root/sglang."""
         return python_files(self.root)
 

@@ -31,6 +31,8 @@ class Index:
     names: dict[str, list[Found]] = field(default_factory=dict)
     attrs: dict[str, list[Found]] = field(default_factory=dict)
     calls: list[Found] = field(default_factory=list)
+    # calls by what they call: (True, "name") for `<anything>.name(...)`, (False, "name") for `name(...)`
+    calls_of: dict[tuple[bool, str], list[Found]] = field(default_factory=dict)
 
 
 def scoped_nodes(tree, enter=None):
@@ -69,6 +71,12 @@ def index(source: str) -> Index:
             index.calls.append(Found(function, node.lineno, node))
     for found in (*index.names.values(), *index.attrs.values(), index.calls):
         found.sort(key=lambda f: (f.line, f.node.col_offset))
+    for found in index.calls:  # in source order, as `calls`
+        func = found.node.func
+        if isinstance(func, ast.Attribute):
+            index.calls_of.setdefault((True, func.attr), []).append(found)
+        elif isinstance(func, ast.Name):
+            index.calls_of.setdefault((False, func.id), []).append(found)
     return index
 
 

@@ -34,6 +34,8 @@ import types
 from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
+from ..engine import syntax
+
 PLUGINS = "sglang.srt.plugins"
 SCHEDULER = "sglang.srt.managers.scheduler"
 RUNNER = "run_scheduler_process"
@@ -283,12 +285,18 @@ def _is_loader(value) -> bool:
 
 
 def _loader_problem(module, text: str) -> Optional[str]:
-    func = ast.parse(text).body[0]
+    # every decision asks; the answer changes only with the module, its source or its loader
+    return _loader_problem_of(module, text, getattr(module, LOADER, None))
+
+
+@functools.lru_cache(maxsize=16)
+def _loader_problem_of(module, text: str, loader) -> Optional[str]:
+    func = syntax.parse(text).body[0]
     first = getattr(func, "lineno", 1)
     line = lambda node: f"{module.__file__}:{node.lineno + _start(module, first) - first}"  # noqa: E731
     local = any(isinstance(n, ast.ImportFrom) and n.module == PLUGINS and any(a.name == LOADER for a in n.names)
                 for n in ast.walk(func))
-    if not local and not _is_loader(getattr(module, LOADER, None)):
+    if not local and not _is_loader(loader):
         return f"{LOADER} is not the engine's {PLUGINS}.{LOADER} in {module.__name__}"
     loads = builds = None
     for index, statement in enumerate(func.body):
