@@ -123,6 +123,19 @@ def skewed_eager_calls(call, skew) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
+def target_site_ready(skew):
+    """0.5.23's SpecTpSync for rank 1 over a SkewedGroup, its counters made by one eager call
+    at site 11 and zeroed: (the SpecTpSync, the values rank 0's are `skew` away from)."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    values = torch.arange(BS, device="cuda")
+    tp_sync = SpecTpSync(SkewedGroup(skew, values))
+    tp_sync.sync(S.DSPARK_TARGET, values.clone())  # makes the counters
+    torch.cuda.synchronize()
+    divergence.reset()
+    return tp_sync, values
+
+
 def test_spec_tp_sync_site_counts_every_replay(report_on, capsys):
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
 
@@ -154,14 +167,10 @@ def test_spec_tp_sync_site_counts_every_replay(report_on, capsys):
 def test_eager_calls_make_no_host_sync(report_on, capsys):
     """Eager site calls, reports included (every 8 calls: a copy to pinned memory, printed
     once it has landed), under sync debug mode "error"."""
-    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite as S
 
     skew = torch.zeros((), dtype=torch.int64, device="cuda")
-    values = torch.arange(BS, device="cuda")
-    tp_sync = SpecTpSync(SkewedGroup(skew, values))
-    tp_sync.sync(S.DSPARK_TARGET, values.clone())  # makes the counters
-    torch.cuda.synchronize()
-    divergence.reset()
+    tp_sync, values = target_site_ready(skew)
     skewed_eager_calls(lambda: tp_sync.sync(S.DSPARK_TARGET, values.clone()), skew)
     divergence.flush()
     printed = [line for line in capsys.readouterr().err.splitlines() if "tp_divergence" in line]
@@ -376,14 +385,10 @@ def calls_until_stopped(call, limit=8) -> tuple[int, str]:
 def test_abort_eager_stops_without_a_host_sync(abort_on):
     """Eager calls read the counters every call without waiting; a skew at call j stops the
     rank at call j or, where the copy has not landed yet, a later one, naming call j + 1."""
-    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite as S
 
     skew = torch.zeros((), dtype=torch.int64, device="cuda")
-    values = torch.arange(BS, device="cuda")
-    tp_sync = SpecTpSync(SkewedGroup(skew, values))
-    tp_sync.sync(S.DSPARK_TARGET, values.clone())  # makes the counters
-    torch.cuda.synchronize()
-    divergence.reset()
+    tp_sync, values = target_site_ready(skew)
     torch.cuda.set_sync_debug_mode("error")
     try:  # REPLAYS calls that agree: a read started and the landed one looked at in each, no wait
         for _ in range(REPLAYS):

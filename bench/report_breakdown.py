@@ -1,0 +1,84 @@
+"""Where the divergence report's eager host time goes, piece by piece, on a GPU (issue 26, goal 3):
+
+    python bench/report_breakdown.py [--calls 20000] [--reps 7]
+
+Host time per call (microseconds, median of --reps repetitions of --calls calls) at bs 64 on
+one GPU, the kernel library loaded, the engine's SpecTpSync over bench/divergence_cost.py's
+stand-in group (rank 1; its broadcast is one copy launch):
+
+  empty_launch      one empty kernel launch through the kernel library (the yardstick)
+  new_empty         values.new_empty(values.shape): the tensor rank 0's value is received into
+  count_divergence  the library's fused compare-and-settle call alone (one launch)
+  observe           divergence.observe(..., settle=True): the fused call and the report's Python
+  sync_off          SpecTpSync.sync, the report off (the stand-in broadcast: one launch)
+  sync_on           SpecTpSync.sync, the report on (tp_divergence's wrapper, as a rank applies it)
+
+sync_on - sync_off is what the report adds per eager site call (bench/divergence_cost.py's figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from divergence_cost import StandInGroup, switch  # noqa: E402
+from fence_cost import host_us as per_call  # noqa: E402
+from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: E402
+from sglang_dsv41_adapters.tp_divergence import divergence  # noqa: E402
+
+
+def main(argv=None) -> int:
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite as S
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--reps", type=int, default=7)
+    opts = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("report_breakdown: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    kernel = accept_snapshot.probed_extension()
+    if kernel is None:
+        print(f"report_breakdown: no kernel library ({accept_snapshot.copy_mode()[1]})", file=sys.stderr)
+        return 2
+    values = torch.arange(64, device="cuda")
+    stand_in = StandInGroup()
+    stand_in.rank0 = values.clone()
+    tp_sync = SpecTpSync(stand_in)
+    received = values.clone()
+    switch("on")
+    number, slug = divergence.label(S.DSPARK_TARGET)
+    tp_sync.sync(S.DSPARK_TARGET, values)  # the counters, the decisions (said once) before the clock
+    counts = next(iter(divergence._tallies.values())).counts
+    pieces = {
+        "empty_launch": kernel.empty_launch,
+        "new_empty": lambda: values.new_empty(values.shape),
+        "count_divergence": lambda: kernel.count_divergence((values,), (received,), counts, number, True),
+        "observe": lambda: divergence.observe(number, slug, (values,), (received,), 1 << 40, settle=True),
+        "sync_on": lambda: tp_sync.sync(S.DSPARK_TARGET, values),
+    }
+    times = {name: [] for name in (*pieces, "sync_off")}
+    for _ in range(opts.reps):
+        switch("on")
+        for name, fn in pieces.items():
+            times[name].append(per_call(fn, opts.calls))
+        switch("off")
+        times["sync_off"].append(per_call(lambda: tp_sync.sync(S.DSPARK_TARGET, values), opts.calls))
+    print(f"the report's eager host time, piece by piece, bs 64, us per call (median of {opts.reps} x {opts.calls}; "
+          f"{torch.cuda.get_device_name()})")
+    for name, runs in times.items():
+        print(f"{name:<18}{statistics.median(runs):>8.2f}")
+    print(f"{'sync_on - off':<18}{statistics.median(times['sync_on']) - statistics.median(times['sync_off']):>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
