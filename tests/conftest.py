@@ -138,3 +138,14 @@ def sm80(tmp_path_factory) -> Path:
             assert done.returncode == 0, done.stdout + done.stderr[-4000:]
             assert out.is_file() and not list(out.parent.glob("*.tmp"))
     return out
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """The engine's SpecTpSync selection at its default (SGLANG_SPEC_TP_SYNC unset); whatever
+    the test applied through the runtime is reverted after it."""
+    from sglang_dsv41_adapters.framework import runtime
+
+    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
+    yield
+    runtime.revert()

@@ -113,13 +113,6 @@ def test_bad_value_refused_naming_abort(value):
         t.parse({t.FLAG: value})
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
-    yield
-    runtime.revert()
-
-
 def test_refused_where_the_scheduler_watchdog_drops_dump_info(clean_env):
     from harness.doctored import Drift
 

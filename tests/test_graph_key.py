@@ -58,13 +58,6 @@ def test_token_is_reserved_not_selectable():
     assert sites.parse_value("all") == sites.ALL
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
-    yield
-    runtime.revert()
-
-
 def test_applied_with_the_report_and_untouched_without(clean_env):
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner

@@ -178,13 +178,6 @@ def decide(environ, engine=None):
     return decision, decision.outcomes[1]
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
-    yield
-    runtime.revert()
-
-
 def test_off_means_untouched(clean_env):
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync
 
