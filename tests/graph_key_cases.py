@@ -1,4 +1,4 @@
-"""Rank code for tests/test_graph_key.py and bench/graph_key_cases.py (harness.ranks.run_ranks,
+"""Rank code for tests/test_graph_key.py and bench/graph_key_cost.py (harness.ranks.run_ranks,
 sglang 0.5.23): the report's site 30:pack-decode-graph-key on real decode forwards.
 
 Each step is the real `ModelRunner._forward_raw` on a model runner holding the real
@@ -7,7 +7,8 @@ the real `can_run_graph` decides replay or eager from the batch size, the real `
 calls the real `load_batch`, whose key is the engine's own (the batch size padded to the
 captured sizes). What the runner would do on the device (buffer fills, attention metadata,
 the replay itself, the eager forward) is a stand-in that does nothing. The TP group is a real
-sglang GroupCoordinator over gloo, installed as the engine's (what get_tp_group() returns).
+sglang GroupCoordinator over gloo, installed as the runtime context's TP group (what the
+report's compare takes without DP attention: spectpsync.broadcast.resolve_group).
 
 Skews on rank 1, at the steps listed: "tier" a batch one request larger (5 instead of 4:
 key 8 instead of 4), "eager" a batch larger than the largest captured size (20: can_run_graph
@@ -91,7 +92,7 @@ def _batch(bs: int):
 
 
 def _as_engine_tp_group(group):
-    """What parallel_state.get_tp_group() returns (0.5.23 reads it from the runtime context)."""
+    """The runtime context's TP group (what get_tp_group() and resolve_group read on 0.5.23)."""
     from sglang.srt.runtime_context import get_parallel
 
     get_parallel().override_permanently(tp_group=group)

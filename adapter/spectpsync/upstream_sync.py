@@ -171,10 +171,6 @@ def _other(contract: Contract, engine, name: str) -> Contract:
     return Contract(contract.adapter, module)
 
 
-def _tree(text: str) -> ast.Module:
-    return syntax.parse(text)
-
-
 def _body(func: ast.FunctionDef) -> list:
     """The statements, a leading docstring left out."""
     body = list(func.body)
@@ -190,7 +186,7 @@ def _params(func: ast.FunctionDef) -> list[str]:
 def _plain_class(contract: Contract, name: str) -> ast.ClassDef:
     """The class's definition in the module's source: plain (no decorator, base or
     metaclass), so that what runs is what its body says."""
-    found = [n for n in _tree(contract.source()).body if isinstance(n, ast.ClassDef) and n.name == name]
+    found = [n for n in syntax.parse(contract.source()).body if isinstance(n, ast.ClassDef) and n.name == name]
     if len(found) != 1:
         raise contract.refuse(name, f"is defined {len(found)} times at module level; expected once")
     node = found[0]
@@ -213,7 +209,7 @@ def _method(contract: Contract, cls: ast.ClassDef, name: str) -> ast.FunctionDef
 
 def _function(contract: Contract, name: str) -> ast.FunctionDef:
     """A module-level function's definition, undecorated."""
-    found = [n for n in _tree(contract.source()).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    found = [n for n in syntax.parse(contract.source()).body if isinstance(n, ast.FunctionDef) and n.name == name]
     if len(found) != 1:
         raise contract.refuse(name, "is missing or defined more than once at module level")
     if found[0].decorator_list:
@@ -243,7 +239,7 @@ def _relevant(text: str, needles: tuple) -> tuple:
     """(node, parent) for the nodes of `text` whose lines hold one of `needles`, and the
     nodes enclosing them; other subtrees are not visited (most of a large file)."""
     lines = [n for n, line in enumerate(text.split("\n"), 1) if any(needle in line for needle in needles)]
-    found, stack = [], [(_tree(text), None)]
+    found, stack = [], [(syntax.parse(text), None)]
     while stack:
         node, parent = stack.pop()
         first = getattr(node, "lineno", None)
@@ -322,14 +318,14 @@ def _prove_env_read(contract: Contract, engine) -> None:
 
 
 def _prove_env_read_in(contract: Contract, environ: Contract) -> None:
-    imported = [n for n in _tree(contract.source()).body if isinstance(n, ast.ImportFrom) and n.module == ENVIRON
+    imported = [n for n in syntax.parse(contract.source()).body if isinstance(n, ast.ImportFrom) and n.module == ENVIRON
                 and any(a.name == "envs" and a.asname is None for a in n.names)]
-    rebound = [n for n in ast.walk(_tree(contract.source())) if isinstance(n, ast.Name) and n.id == "envs"
+    rebound = [n for n in ast.walk(syntax.parse(contract.source())) if isinstance(n, ast.Name) and n.id == "envs"
                and isinstance(n.ctx, ast.Store)]
     if len(imported) != 1 or rebound:
         raise contract.refuse("envs", f"is not {ENVIRON}.envs, imported once")
     symbol = f"{ENVIRON}:{ENGINE_FLAG}"
-    tree = _tree(environ.source())
+    tree = syntax.parse(environ.source())
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     declared = [s for s in getattr(classes.get("Envs"), "body", ()) if isinstance(s, ast.Assign)
                 and _unparsed(s.targets) == [ENGINE_FLAG]]
@@ -406,7 +402,7 @@ def _prove_sync(contract: Contract, cls: ast.ClassDef) -> None:
 def _prove_group_broadcast(contract: Contract, engine) -> None:
     """GroupCoordinator.broadcast(input_, src) broadcasts input_ in place and returns it."""
     ps = _other(contract, engine, PARALLEL_STATE)
-    cls = next((n for n in _tree(ps.source()).body if isinstance(n, ast.ClassDef) and n.name == "GroupCoordinator"), None)
+    cls = next((n for n in syntax.parse(ps.source()).body if isinstance(n, ast.ClassDef) and n.name == "GroupCoordinator"), None)
     symbol = "GroupCoordinator.broadcast"
     if cls is None:
         raise ps.refuse("GroupCoordinator", "is missing")

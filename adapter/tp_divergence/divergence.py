@@ -16,8 +16,9 @@ for bit per element of the field's size, which is `ne` for the integer and bool 
 these sites broadcast, and [1, min(e, 1), e] added to the site's row). At the engine's
 SpecTpSync.sync a rank other than 0 receives rank 0's value into a tensor of its own, and
 the same launch copies it into the caller's where they differ (`settle`); rank 0 sends its
-own. At the pack's own broadcast a packed site leaves the inputs as they were, and a site
-broadcast in place is copied first (`snapshot`: one more launch). Elsewhere (the CPU, no
+own. The pack's own broadcast does the same for a site of one tensor; a packed site leaves
+the inputs as they were, and several tensors broadcast in place are copied first
+(`snapshot`: one more launch). Elsewhere (the CPU, no
 kernel file, values it cannot take) torch ops serve: ne, sum, clamp and one add per call
 (and a clone or a copy per value), five to eight launches. Which one serves CUDA values is
 said once per process.

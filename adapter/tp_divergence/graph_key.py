@@ -124,8 +124,8 @@ def plan(engine, every: int, abort: bool = False) -> Plan:
                                               f"{SITE.label} is not shown to be the one replayed, after a decision "
                                               "every rank takes")
     detail = (f"compares {SITE.label} (the decode graph key a target forward replays, {EAGER} for eager) after "
-              f"{MODEL_RUNNER}.{FORWARD} at every forward that takes the decode graph decision, over the ranks that run one batch (attention-TP under DP attention, else TP): "
-              "one int64 broadcast per decode step")
-    return Plan("applied", detail, [
-        Patch(runner.attr("ModelRunner"), "_forward_raw", functools.partial(compare_forward, every, resolve_group, abort=abort)),
-        Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)])
+              f"{MODEL_RUNNER}.{FORWARD} at every forward that takes the decode graph decision, over the ranks that "
+              "run one batch (attention-TP under DP attention, else TP): one int64 broadcast per decode step")
+    compare = functools.partial(compare_forward, every, resolve_group, abort=abort)
+    return Plan("applied", detail, [Patch(runner.attr("ModelRunner"), "_forward_raw", compare),
+                                    Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)])
