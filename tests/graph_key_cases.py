@@ -8,7 +8,7 @@ calls the real `load_batch`, whose key is the engine's own (the batch size padde
 captured sizes). What the runner would do on the device (buffer fills, attention metadata,
 the replay itself, the eager forward) is a stand-in that does nothing. The TP group is a real
 sglang GroupCoordinator over gloo, installed as the runtime context's TP group (what the
-report's compare takes without DP attention: spectpsync.broadcast.resolve_group).
+report's compare takes without DP attention: graph_key.batch_group).
 
 Skews on rank 1, at the steps listed: "tier" a batch one request larger (5 instead of 4:
 key 8 instead of 4), "eager" a batch larger than the largest captured size (20: can_run_graph
@@ -67,7 +67,6 @@ def _model_runner():
     mr = object.__new__(ModelRunner)
     state = dict(
         device="cpu", is_draft_worker=False, hisparse_coordinator=None, attn_backend=None, device_timer=None,
-        server_args=SimpleNamespace(enable_dp_attention=False),  # the ranks of one batch: the TP group
         model=SimpleNamespace(shared_experts_config=None),
         spec_algorithm=SimpleNamespace(is_dflash_family=lambda: False, is_ngram=lambda: False),
         pp_group=SimpleNamespace(is_last_rank=True),
@@ -92,10 +91,10 @@ def _batch(bs: int):
 
 
 def _as_engine_tp_group(group):
-    """The runtime context's TP group (what get_tp_group() and resolve_group read on 0.5.23)."""
+    """The runtime context's TP and attention-TP group (what get_tp_group() and graph_key.batch_group read)."""
     from sglang.srt.runtime_context import get_parallel
 
-    get_parallel().override_permanently(tp_group=group)
+    get_parallel().override_permanently(tp_group=group, attn_tp_group=group)  # no DP attention: one batch
 
 
 def _no_published_config():

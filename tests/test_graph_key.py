@@ -87,3 +87,19 @@ def test_refused_on_drift(clean_env, tmp_path, module, old, new, symbol):
     outcome = runtime.decide({t.FLAG: "1"}, drift.engine(tmp_path), names=(t.NAME,)).outcomes[0]
     assert outcome.state == runtime.REFUSED
     assert drift.symbol in outcome.reason and "sglang 0.5.23" in outcome.reason and t.NAME in outcome.reason
+
+
+@pytest.mark.parametrize("tp, attention, picked", [(4, 4, "tp"), (4, 2, "attention"), (2, 2, "tp")])
+def test_compared_over_the_ranks_that_run_one_batch(tp, attention, picked):
+    """The engine's own runtime context: under DP attention its attention-TP group is narrower
+    than the TP group, and it is the one compared (0.5.23 leaves server_args.enable_dp_attention
+    false under --enable-dp-attention, so the topology is read, not the flag)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.runtime_context import get_parallel
+    from sglang_dsv41_adapters.tp_divergence import graph_key
+
+    groups = {"tp": SimpleNamespace(world_size=tp), "attention": SimpleNamespace(world_size=attention)}
+    with get_parallel().override(tp_group=groups["tp"], attn_tp_group=groups["attention"]):
+        assert graph_key.batch_group() is groups[picked]
+

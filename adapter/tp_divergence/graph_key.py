@@ -37,8 +37,8 @@ a step whose differing keys already hang the replay's own collectives (the engin
 SGLANG_LOG_DECODE_GRAPH_KEY line, printed before the replay, names that one).
 
 `DecodeCudaGraphRunner.execute` is wrapped only to note the key it replayed (host, no
-collective). The group is the one whose ranks run one batch (upstream's rule, as the
-broadcast sites: the attention-TP group under DP attention, else the TP group): the
+collective). The group is the one whose ranks run one batch (`batch_group`: the
+attention-TP group under DP attention, else the TP group, read from the live topology): the
 divergence compared is of ranks that hold one batch, never of two DP groups' batches.
 The report off: nothing is patched.
 """
@@ -49,7 +49,6 @@ import functools
 
 from ..engine.contract import POSITIONAL, Contract, target_modules
 from ..framework.plan import Patch, Plan
-from ..spectpsync.broadcast import resolve_group
 from ..spectpsync.sites import Site
 from . import divergence
 
@@ -85,6 +84,20 @@ def note_replayed(wrapped, instance, args, kwargs):
     return result
 
 
+def batch_group():
+    """The ranks that run one batch, from the live topology: the attention-TP group where it
+    is narrower than the TP group (DP attention), else the TP group. Not from the server
+    arguments: 0.5.23 resolves --enable-dp-attention into attn_dp_size and leaves
+    enable_dp_attention false. With attention context parallelism and no DP attention the
+    attention-TP group is narrower too: the compare then covers fewer ranks, never ranks that
+    run another batch."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    attention = parallel.attn_tp_group
+    return attention if attention.world_size < parallel.tp_group.world_size else parallel.tp_group
+
+
 def compare_forward(every, batch_group, wrapped, instance, args, kwargs, abort=False):
     """Around ModelRunner._forward_raw: after a target forward that took the decode graph
     decision, rank 0's replayed key (EAGER if none) broadcast and compared with this rank's."""
@@ -96,7 +109,7 @@ def compare_forward(every, batch_group, wrapped, instance, args, kwargs, abort=F
     decided = (mode.is_cpu_graph if instance.device == "cpu" else mode.is_cuda_graph)()  # the engine's mode_check
     _replayed = None
     result = wrapped(*args, **kwargs)
-    group = batch_group(instance.server_args)
+    group = batch_group()
     if decided and group.world_size > 1:
         import torch
 
@@ -126,6 +139,6 @@ def plan(engine, every: int, abort: bool = False) -> Plan:
     detail = (f"compares {SITE.label} (the decode graph key a target forward replays, {EAGER} for eager) after "
               f"{MODEL_RUNNER}.{FORWARD} at every forward that takes the decode graph decision, over the ranks that "
               "run one batch (attention-TP under DP attention, else TP): one int64 broadcast per decode step")
-    compare = functools.partial(compare_forward, every, resolve_group, abort=abort)
+    compare = functools.partial(compare_forward, every, batch_group, abort=abort)
     return Plan("applied", detail, [Patch(runner.attr("ModelRunner"), "_forward_raw", compare),
                                     Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)])
