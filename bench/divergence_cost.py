@@ -29,7 +29,6 @@ the first diverging call recorded with torch ops; eagerly also a read every call
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import pathlib
@@ -75,8 +74,7 @@ def pack_broadcast(variant: str):
     if variant == "off":
         return b.broadcast
     every = int(report_env(variant)[t.EVERY_FLAG])
-    return wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, every,
-                                                                abort=variant == "abort"))
+    return wrapt.FunctionWrapper(b.broadcast, t.before_0_5_19.compare_broadcast(every, variant == "abort"))
 
 
 def timed(run, steps: int) -> float:
@@ -189,7 +187,7 @@ class StandInGroup:
     """A world of one standing in for rank 1 of a TP group: the broadcast is one device op
     that writes rank 0's value (`rank0`, set per case: equal to the caller's) over the
     tensor it is given, as a collective does. The report on, sync hands it a tensor of its
-    own to receive into (tp_divergence._compare_sync); off, the caller's."""
+    own to receive into (tp_divergence.compare_sync); off, the caller's."""
 
     world_size, rank_in_group = 2, 1
     rank0 = None

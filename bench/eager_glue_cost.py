@@ -16,7 +16,6 @@ Python subclass, which makes these figures an upper bound. Median of --reps, mic
 from __future__ import annotations
 
 import argparse
-import functools
 import pathlib
 import statistics
 import sys
@@ -68,7 +67,7 @@ def main(argv=None) -> int:
     library = ReadyLibrary([on_cuda(torch.zeros(64 * 4 + 8, dtype=torch.int32))] + [on_cuda(f.clone()) for f in fields])
     accept_snapshot.extension = lambda: library
     b.bind_group(b.DSPARK, NoCollective())
-    reported = wrapt.FunctionWrapper(b.broadcast, functools.partial(before_0_5_19.compare_broadcast, 1000))
+    reported = wrapt.FunctionWrapper(b.broadcast, before_0_5_19.compare_broadcast(1000))
     draft = on_cuda(torch.arange(64))
     cases = {"triple": lambda: b.broadcast(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields),
              "triple, report on": lambda: reported(b.DSPARK, Site.DSPARK_ACCEPT_GRAPH, *fields),
@@ -79,7 +78,7 @@ def main(argv=None) -> int:
     from sglang_dsv41_adapters import tp_divergence as t
 
     tp_sync = SpecTpSync(NoCollective())
-    synced = wrapt.FunctionWrapper(SpecTpSync.sync, functools.partial(t._compare_sync, 1000))
+    synced = wrapt.FunctionWrapper(SpecTpSync.sync, t.compare_sync(1000))
     cases.update({"sync": lambda: tp_sync.sync(S.DSPARK_TARGET, draft),
                   "sync, report on": lambda: synced.__get__(tp_sync, SpecTpSync)(S.DSPARK_TARGET, draft)})
     times = {name: [] for name in cases}

@@ -7,8 +7,10 @@ one GPU, the kernel library loaded, the engine's SpecTpSync over bench/divergenc
 stand-in group (rank 1; its broadcast is one copy launch):
 
   empty_launch      one empty kernel launch through the kernel library (the yardstick)
-  new_empty         values.new_empty(values.shape): the tensor rank 0's value is received into
-  count_divergence  the library's fused compare-and-settle call alone (one launch)
+  new_empty         values.new_empty(values.shape): a fresh tensor to receive rank 0's value into
+  receive           the library's receive(values): the kept block the report receives into
+  count_divergence  the library's fused compare-and-settle call alone, pairs as lists (one launch)
+  count_pair        the same for one pair (what a site of one tensor calls)
   observe           divergence.observe(..., settle=True): the fused call and the report's Python
   sync_off          SpecTpSync.sync, the report off (the stand-in broadcast: one launch)
   sync_on           SpecTpSync.sync, the report on (tp_divergence's wrapper, as a rank applies it)
@@ -61,7 +63,9 @@ def main(argv=None) -> int:
     pieces = {
         "empty_launch": kernel.empty_launch,
         "new_empty": lambda: values.new_empty(values.shape),
+        "receive": lambda: kernel.receive(values),
         "count_divergence": lambda: kernel.count_divergence((values,), (received,), counts, number, True),
+        "count_pair": lambda: kernel.count_pair(values, received, counts, number, True),
         "observe": lambda: divergence.observe(number, slug, (values,), (received,), 1 << 40, settle=True),
         "sync_on": lambda: tp_sync.sync(S.DSPARK_TARGET, values),
     }

@@ -102,7 +102,7 @@ def build_cases(group, device):
     sync_off = SpecTpSync(group)
     del os.environ["SGLANG_SPEC_TP_SYNC"]
     b.bind_group(b.DSPARK, group)
-    pack, pack_report = b.broadcast, wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
+    pack, pack_report = b.broadcast, wrapt.FunctionWrapper(b.broadcast, t.before_0_5_19.compare_broadcast(1000))
     bare = functools.partial(group.broadcast, src=0)
 
     def late(sync):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
+import sys
 import types
 
 import msgspec
@@ -300,6 +301,80 @@ def test_check_results_uses_the_scan_on_clean_steps_and_copies_a_planted_view_on
     fence_boundary.use_native(None)  # the Python walk forced (benchmarks): every step walks
     through_worker(decode_result(4), epilogue)
     assert len(walks) == first + 2 and fence_boundary.check_mode() == "python"
+
+
+class Worker:
+    """A worker whose epilogue attribute may raise on reading, as a property can."""
+
+    def __init__(self, epilogue, error=None):
+        self._epilogue, self._error = epilogue, error
+
+    @property
+    def _verify_epilogue(self):
+        if self._error is not None:
+            raise self._error
+        return self._epilogue
+
+
+def both_forms(epilogue, call):
+    """call(check_results) with the C form serving, then with the Python form: (value or the
+    exception's type and text) for each."""
+    outcomes = []
+    through_worker(decode_result(4), epilogue)  # binds the scan, and with it the C form
+    for native in (True, False):
+        assert (fence_boundary._native_check is not None) is native
+        try:
+            outcomes.append(("value", call(fence_boundary.check_results)))
+        except Exception as exc:  # noqa: BLE001 - compared between the forms
+            outcomes.append((type(exc), str(exc)))
+        fence_boundary._native_check, kept = None, fence_boundary._native_check
+    fence_boundary._native_check = kept
+    return outcomes
+
+
+@pytest.mark.parametrize("case", ["kwargs", "no epilogue", "epilogue None", "result None", "result is the epilogue",
+                                  "wrapped raises", "reading the epilogue raises", "no attribute"])
+def test_the_c_form_of_check_results_answers_as_the_python_form(epilogue, case):
+    result = decode_result(4)
+    worker = {"no epilogue": Worker(None), "epilogue None": Worker(None),
+              "reading the epilogue raises": Worker(epilogue, RuntimeError("epilogue gone")),
+              "no attribute": types.SimpleNamespace()}.get(case, Worker(epilogue))
+    returned = {"result None": None, "result is the epilogue": epilogue}.get(case, result)
+
+    def step(_worker, batch, *, flag=None):
+        if case == "wrapped raises":
+            raise ValueError("step failed")
+        assert flag == (1 if case == "kwargs" else None)
+        return returned
+
+    kwargs = {"flag": 1} if case == "kwargs" else {}
+    outcomes = both_forms(epilogue, lambda check: check(step, worker, (worker, None), kwargs))
+    assert outcomes[0] == outcomes[1]
+    expected = {"wrapped raises": (ValueError, "step failed"),
+                "reading the epilogue raises": (RuntimeError, "epilogue gone")}.get(case, ("value", returned))
+    assert outcomes[0][0] == expected[0] and (outcomes[0][1] is returned if expected[0] == "value" else
+                                              outcomes[0][1] == expected[1])
+
+
+def test_the_c_form_runs_no_python_of_the_packs_on_a_clean_step_and_the_walk_on_an_escape(epilogue):
+    through_worker(decode_result(4), epilogue)
+    assert fence_boundary._native_check is not None
+
+    def calls(result):
+        called = []
+        sys.setprofile(lambda frame, event, arg: event == "call" and called.append(frame.f_code.co_name))
+        try:
+            return through_worker(result, epilogue), called
+        finally:
+            sys.setprofile(None)
+
+    result = decode_result(4)
+    returned, called = calls(result)
+    assert returned is result and called == ["through_worker", "check_results", "<lambda>"], called
+    planted = decode_result(4)
+    planted.accept_lens = epilogue.commit_lens_buf[:4]
+    escaped, called = calls(planted)
+    assert {"_checked", "_walk"} <= set(called) and shares(escaped, epilogue) == []
 
 
 def test_random_shapes_agree(epilogue):

@@ -26,7 +26,6 @@ PYTHONPATH: `python3 -m pytest tests/test_divergence_gpu.py -q -rA`.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -223,7 +222,7 @@ def test_pack_broadcast_counts_every_replay():
     device = torch.device("cuda")
     skew = torch.zeros((), dtype=torch.int64, device=device)
     b.bind_group(b.DSPARK, SkewedGroup(skew))
-    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
+    compared = wrapt.FunctionWrapper(b.broadcast, t.before_0_5_19.compare_broadcast(1000))
     source = torch.arange(3 * BS, device=device).view(3, BS)
     triple = [torch.empty(BS, dtype=torch.int64, device=device) for _ in range(3)]
 
@@ -280,6 +279,32 @@ def test_the_kernel_library_serves_packing_and_comparing():
 
 
 @needs_kernel
+def test_a_receiving_rank_receives_into_one_kept_block_per_stream_fresh_under_capture():
+    """The report's receive tensor: eagerly one block per stream, kept from call to call and
+    grown as needed (the stream orders each call's read before the next call's broadcast);
+    inside graph capture a fresh tensor each call, never the eager block."""
+    kernel = accept_snapshot.probed_extension()
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    like = torch.arange(BS, device="cuda")
+    first, small = kernel.receive(like), kernel.receive(like[:7].to(torch.int32))
+    assert (first.shape, first.dtype, first.is_contiguous(), first.device) == (like.shape, like.dtype, True, like.device)
+    assert (small.shape, small.dtype) == ((7,), torch.int32) and storage(small) == storage(first)
+    grown = kernel.receive(torch.zeros(4 * BS, 3, device="cuda"))
+    assert grown.shape == (4 * BS, 3) and grown.untyped_storage().nbytes() >= 4 * BS * 3 * 4
+    assert storage(kernel.receive(like)) == storage(grown)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = kernel.receive(like)
+    assert storage(on_side) != storage(grown)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        captured = [kernel.receive(like), kernel.receive(like)]
+    assert len({storage(c) for c in captured} | {storage(on_side), storage(grown)}) == 4
+    assert [(c.shape, c.dtype) for c in captured] == [(like.shape, like.dtype)] * 2
+
+
+@needs_kernel
 def test_the_block_keeps_values_dtypes_and_shapes():
     from sglang_dsv41_adapters.spectpsync import broadcast as b
     from sglang_dsv41_adapters.spectpsync.sites import Site
@@ -322,7 +347,7 @@ def test_fused_counts_equal_the_torch_ops_counts_in_graphs_and_eagerly():
     skew = torch.zeros((), dtype=torch.int64, device=device)
     source = torch.arange(BS, device=device)
     b.bind_group(b.DSPARK, SkewedGroup(skew, source))  # the draft's own is the source; the block skewed in place
-    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
+    compared = wrapt.FunctionWrapper(b.broadcast, t.before_0_5_19.compare_broadcast(1000))
     triple = [torch.empty(BS, dtype=torch.int32, device=device), torch.empty(BS, dtype=torch.int64, device=device),
               torch.empty(BS, dtype=torch.int32, device=device)]
     draft = torch.empty_like(source)

@@ -12,7 +12,6 @@ checked with values.
 
 from __future__ import annotations
 
-import functools
 import types
 
 import pytest
@@ -64,7 +63,7 @@ DRAFT = torch.arange(8)
 
 
 class StandInLibrary:
-    """The kernel library's pack / snapshot / count_divergence, made of torch ops."""
+    """The kernel library's pack / snapshot / receive / count_pair / count_divergence, made of torch ops."""
 
     def __init__(self, packs=True, compares=True):
         self.packs, self.compares, self.calls = packs, compares, []
@@ -89,8 +88,15 @@ class StandInLibrary:
         self.calls.append(("snapshot", len(tensors)))
         return [on_cuda(t.clone()) for t in tensors]  # the library's copies are on the fields' GPU
 
-    def count_divergence(self, mine, theirs, counts, row, settle):
-        self.calls.append(("count_divergence", len(mine), row) + (("settle",) if settle else ()))
+    def receive(self, like):
+        self.calls.append(("receive",))
+        return on_cuda(torch.empty_like(like))
+
+    def count_pair(self, mine, theirs, counts, row, settle):
+        return self.count_divergence([mine], [theirs], counts, row, settle, name="count_pair")
+
+    def count_divergence(self, mine, theirs, counts, row, settle, name="count_divergence"):
+        self.calls.append((name, len(mine), row) + (("settle",) if settle else ()))
         if not self.compares:
             return False
         e = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).view(-1, a.element_size()).any(1).sum())
@@ -233,7 +239,7 @@ def test_which_broadcasts_leave_their_inputs_as_they_were(fields, keeps):
 # --- the divergence report ---------------------------------------------------------------------
 
 def compared(every=1000):
-    return wrapt.FunctionWrapper(b.broadcast, functools.partial(before_0_5_19.compare_broadcast, every))
+    return wrapt.FunctionWrapper(b.broadcast, before_0_5_19.compare_broadcast(every))
 
 
 def test_a_packed_site_is_compared_in_one_fused_call_without_a_copy(library, capsys):
@@ -253,7 +259,7 @@ def test_an_in_place_site_is_received_apart_and_settled_in_one_call(library):
     draft = on_cuda(DRAFT.clone())
     compared()(b.DSPARK, Site.DSPARK_DRAFT, draft)
     # rank 0's value received apart: no copy of ours first, and one call writes it over ours
-    assert library.calls == [("count_divergence", 1, 17, "settle")]
+    assert library.calls == [("receive",), ("count_pair", 1, 17, "settle")]
     assert divergence.totals() == {"17:dspark-draft": [1, 1, 8]} and torch.equal(draft, ~DRAFT)
 
 
@@ -365,7 +371,7 @@ def test_a_receiving_rank_compares_and_takes_rank0s_value_in_one_call(library, r
     group = Rank0Group(1, rank0)
     assert SpecTpSync(group).sync(S.DSPARK_DRAFT, mine) is mine
     assert torch.equal(mine, rank0) and len(group.received) == 1 and group.received[0] is not mine
-    assert library.calls == ([("count_divergence", 1, 17, "settle")] if labelled else [])
+    assert library.calls == ([("receive",), ("count_pair", 1, 17, "settle")] if labelled else [])
     assert divergence.totals() == {"17:dspark-draft": [1, 1, 2]}
 
 
@@ -378,5 +384,5 @@ def test_rank0_sends_its_own_value_and_counts_the_call(library, report_on):
     for _ in range(3):
         assert SpecTpSync(group).sync(S.DSPARK_DRAFT, mine) is mine
     assert torch.equal(mine, kept) and group.received == []
-    assert library.calls == [("count_divergence", 1, 17)] * 3
+    assert library.calls == [("count_pair", 1, 17)] * 3
     assert divergence.totals() == {"17:dspark-draft": [3, 0, 0]}

@@ -98,7 +98,6 @@ def pack_case(rank, world, nccl, n, skewed):
     into one collective (site 10) and a draft broadcast (17), rank 1's first field and
     draft skewed in `skewed` of n replays; off (no broadcast), on, and on with the
     divergence wrapper as tp_divergence's plan installs it there."""
-    import functools
 
     import wrapt
 
@@ -113,7 +112,7 @@ def pack_case(rank, world, nccl, n, skewed):
     device = device_of(group, nccl)
     source = torch.arange(BS, device=device)
     expected = torch.stack((source, source + 1, source + 2, source)).cpu()
-    compared = wrapt.FunctionWrapper(b.broadcast, functools.partial(t.before_0_5_19.compare_broadcast, 1000))
+    compared = wrapt.FunctionWrapper(b.broadcast, t.before_0_5_19.compare_broadcast(1000))
     # name: (broadcast, the kernel library's paths on, captured); issue 26: the library's block
     # and fused comparison against concatenation and torch ops, inside graphs and eagerly
     variants = {"off": (None, True, True), "on": (b.broadcast, True, True), "on_report": (compared, True, True),

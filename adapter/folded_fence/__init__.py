@@ -315,7 +315,7 @@ def _boundary_patch(contract: Contract) -> Patch:
     """Where a verify step's results leave the worker for the scheduler: checked there at
     run time (fence_boundary), whatever route they took."""
     contract.params(BOUNDARY, {"self": POSITIONAL})
-    _sets_epilogue(contract, "DSparkWorkerV2", "_verify_epilogue", "the boundary check")
+    _sets_epilogue(contract, "DSparkWorkerV2", fence_boundary.EPILOGUE, "the boundary check")
     return Patch(contract.attr("DSparkWorkerV2"), "forward_batch_generation", fence_boundary.check_results)
 
 

@@ -27,8 +27,9 @@ sources or another torch, or holds no code for this GPU, the clones serve and
 
 The same library serves two more callers on the eager decode path (issue 26), offered to them
 through spectpsync.library: `pack` (snapshot's block, plus the block itself as one flat tensor,
-for the rank-0 broadcast's one collective) and `count_divergence` (the divergence report's
-fused comparison, one launch per site call).
+for the rank-0 broadcast's one collective), `count_divergence` and `count_pair` (the divergence
+report's fused comparison, one launch per site call) and `receive` (the tensor a rank receives
+rank 0's value into at a report site: one kept block per stream).
 """
 
 from __future__ import annotations
@@ -189,6 +190,19 @@ bool same_state(const BoundaryScan& s, PyObject* epilogue) {
 
 const char kScanCapsule[] = "dsv41.boundary_scan";
 
+// True only where the Python walk would find no route and say nothing; never raises.
+bool scan_clean(const BoundaryScan& s, PyObject* result, PyObject* epilogue) {
+  bool clean = false;
+  try {
+    Walk walk{s, epilogue, s.max_values};
+    clean = same_state(s, epilogue) && walk.holder(result, 1);
+  } catch (...) {
+    clean = false;
+  }
+  if (PyErr_Occurred()) PyErr_Clear();  // whatever failed: unsure, never raised
+  return clean;
+}
+
 PyObject* scan_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "scan(result, epilogue)");
@@ -196,15 +210,7 @@ PyObject* scan_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   }
   auto* s = static_cast<BoundaryScan*>(PyCapsule_GetPointer(self, kScanCapsule));
   if (s == nullptr) return nullptr;
-  bool clean = false;
-  try {
-    Walk walk{*s, args[1], s->max_values};
-    clean = same_state(*s, args[1]) && walk.holder(args[0], 1);
-  } catch (...) {
-    clean = false;
-  }
-  if (PyErr_Occurred()) PyErr_Clear();  // whatever failed: unsure, never raised
-  if (clean) Py_RETURN_TRUE;
+  if (scan_clean(*s, args[0], args[1])) Py_RETURN_TRUE;
   Py_RETURN_FALSE;
 }
 
@@ -215,7 +221,102 @@ PyMethodDef kScanMethod = {"boundary_scan", (PyCFunction)(void (*)(void))scan_ca
 void drop_scan(PyObject* capsule) {
   delete static_cast<BoundaryScan*>(PyCapsule_GetPointer(capsule, kScanCapsule));
 }
+
+// fence_boundary.check_results with its clean step in C: wrapt calls it as
+// check(wrapped, instance, args, kwargs). It calls through, reads the instance's epilogue as
+// getattr(instance, name, None) does, and returns the result where there is nothing to check
+// or the epilogue's bound scan (in fence_boundary's map, storages[id(epilogue)][4]) says
+// clean; anything else goes to `checked(result, epilogue)`, the Python form's rest.
+struct BoundaryCheck {
+  PyObject* storages;  // fence_boundary._storages (owned references, all three)
+  PyObject* checked;
+  PyObject* name;
+  ~BoundaryCheck() {
+    for (PyObject* o : {storages, checked, name}) Py_XDECREF(o);
+  }
+};
+
+const char kCheckCapsule[] = "dsv41.boundary_check";
+
+// The epilogue's bound scan from the map (a new reference), or nullptr where it holds none.
+PyObject* bound_scan(const BoundaryCheck& c, PyObject* epilogue) {
+  PyObject* key = PyLong_FromVoidPtr(epilogue);  // id(epilogue)
+  if (key == nullptr) return nullptr;
+  PyObject* cached = PyDict_GetItemWithError(c.storages, key);
+  Py_DECREF(key);
+  if (cached == nullptr || !PyTuple_CheckExact(cached) || PyTuple_GET_SIZE(cached) != 5) return nullptr;
+  PyObject* scan = PyTuple_GET_ITEM(cached, 4);
+  if (!PyCFunction_Check(scan) || PyCFunction_GET_FUNCTION(scan) != (PyCFunction)(void (*)(void))scan_call) return nullptr;
+  Py_INCREF(scan);  // the walk may run Python (a property) that drops it from the map
+  return scan;
+}
+
+PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* c = static_cast<BoundaryCheck*>(PyCapsule_GetPointer(self, kCheckCapsule));
+  if (c == nullptr) return nullptr;
+  if (nargs != 4 || !PyTuple_Check(args[2]) || (args[3] != Py_None && !PyDict_Check(args[3]))) {
+    PyErr_SetString(PyExc_TypeError, "check(wrapped, instance, args: tuple, kwargs: dict or None)");
+    return nullptr;
+  }
+  PyObject* result = PyObject_Call(args[0], args[2], args[3] == Py_None ? nullptr : args[3]);
+  if (result == nullptr) return nullptr;
+  PyObject* epilogue = PyObject_GetAttr(args[1], c->name);
+  if (epilogue == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      Py_DECREF(result);
+      return nullptr;  // as getattr(instance, name, None) raises it
+    }
+    PyErr_Clear();
+    return result;
+  }
+  if (epilogue == Py_None || result == Py_None || result == epilogue) {
+    Py_DECREF(epilogue);
+    return result;
+  }
+  PyObject* scan = bound_scan(*c, epilogue);
+  if (PyErr_Occurred()) PyErr_Clear();
+  bool clean = false;
+  if (scan != nullptr) {
+    clean = scan_clean(*static_cast<BoundaryScan*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(scan), kScanCapsule)),
+                       result, epilogue);
+    Py_DECREF(scan);
+  }
+  if (clean) {
+    Py_DECREF(epilogue);
+    return result;
+  }
+  PyObject* out = PyObject_CallFunctionObjArgs(c->checked, result, epilogue, nullptr);
+  Py_DECREF(result);
+  Py_DECREF(epilogue);
+  return out;
+}
+
+PyMethodDef kCheckMethod = {"boundary_check", (PyCFunction)(void (*)(void))check_call, METH_FASTCALL,
+                            "check(wrapped, instance, args, kwargs) -> the wrapped call's result, checked"};
+
+void drop_check(PyObject* capsule) {
+  delete static_cast<BoundaryCheck*>(PyCapsule_GetPointer(capsule, kCheckCapsule));
+}
+
+// A C callable over a capsule that owns `state`: what boundary_scan and boundary_check return.
+template <typename State>
+pybind11::object bound_function(State* state, const char* name, PyCapsule_Destructor drop, PyMethodDef* method) {
+  PyObject* capsule = PyCapsule_New(state, name, drop);
+  if (capsule == nullptr) {
+    delete state;
+    throw pybind11::error_already_set();
+  }
+  PyObject* function = PyCFunction_New(method, capsule);
+  Py_DECREF(capsule);
+  if (function == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(function);
+}
 }  // namespace
+
+pybind11::object boundary_check(pybind11::dict storages, pybind11::object checked, pybind11::str name) {
+  auto* c = new BoundaryCheck{storages.inc_ref().ptr(), checked.inc_ref().ptr(), name.inc_ref().ptr()};
+  return bound_function(c, kCheckCapsule, drop_check, &kCheckMethod);
+}
 
 pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pybind11::tuple kind_names,
                                pybind11::tuple tensor_types, pybind11::tuple watched, std::vector<uint64_t> ids,
@@ -239,18 +340,10 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
   s->storages.assign(storages.begin(), storages.end());
   s->max_depth = (int)max_depth;
   s->max_values = (long)max_values;
-  PyObject* capsule = PyCapsule_New(s, kScanCapsule, drop_scan);
-  if (capsule == nullptr) {
-    delete s;
-    throw pybind11::error_already_set();
-  }
-  PyObject* scan = PyCFunction_New(&kScanMethod, capsule);
-  Py_DECREF(capsule);
-  if (scan == nullptr) throw pybind11::error_already_set();
-  return pybind11::reinterpret_steal<pybind11::object>(scan);
+  return bound_function(s, kScanCapsule, drop_scan, &kScanMethod);
 }
 """
-_SCAN_FUNCTIONS = ["boundary_scan"]
+_SCAN_FUNCTIONS = ["boundary_scan", "boundary_check"]
 
 _CUDA_SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -259,6 +352,7 @@ _CUDA_SOURCE = r"""
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/core/TensorImpl.h>
+#include <map>
 #include <vector>
 
 namespace {
@@ -463,6 +557,42 @@ bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at:
   return true;
 }
 
+// count_divergence for one pair: no list to convert on the way in (the report's common case).
+bool count_pair(const at::Tensor& mine, const at::Tensor& theirs, const at::Tensor& counts, int64_t row,
+                bool settle) {
+  return count_divergence({mine}, {theirs}, counts, row, settle);
+}
+
+namespace {
+// (device, stream id) -> the block the last eager receive on that stream used. Never freed:
+// a static tensor would be freed after the allocator is gone at exit. Callers hold the GIL.
+std::map<std::pair<int64_t, int64_t>, at::Tensor>* receive_blocks = new std::map<std::pair<int64_t, int64_t>, at::Tensor>();
+}  // namespace
+
+// A contiguous tensor of `like`'s shape and dtype on its device, for rank 0's value to be
+// received into and read by the next launch on the same stream. Eagerly one block per
+// (device, stream), kept and grown as needed: a stream runs the next call's broadcast only
+// after this call's read. Under graph capture a fresh tensor from the graph's pool (a
+// replay must not share it with eager calls).
+at::Tensor receive(const at::Tensor& like) {
+  TORCH_CHECK(like.is_cuda(), "receive: a CUDA tensor is needed");
+  const auto device = like.device();
+  const auto stream = c10::cuda::getCurrentCUDAStream(device.index());
+  cudaStreamCaptureStatus status;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &status));
+  if (status != cudaStreamCaptureStatusNone) {
+    return at::detail::empty_cuda(like.sizes(), like.scalar_type(), device, c10::nullopt);
+  }
+  const int64_t bytes = like.numel() * (int64_t)like.element_size();
+  at::Tensor& block = (*receive_blocks)[{device.index(), stream.id()}];
+  if (!block.defined() || block.numel() < bytes) {
+    block = at::detail::empty_cuda({bytes > 16 ? bytes : 16}, at::kByte, device, c10::nullopt);
+  }
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(), like.dtype());
+  impl->set_sizes_contiguous(like.sizes());
+  return at::Tensor(std::move(impl));
+}
+
 void empty_launch() {
   empty_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>();
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -480,8 +610,11 @@ _CPP_SOURCE = (
     "std::vector<at::Tensor> pack(const std::vector<at::Tensor>& srcs);\n"
     "bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at::Tensor>& theirs, "
     "const at::Tensor& counts, int64_t row, bool settle);\n"
+    "bool count_pair(const at::Tensor& mine, const at::Tensor& theirs, const at::Tensor& counts, int64_t row, "
+    "bool settle);\n"
+    "at::Tensor receive(const at::Tensor& like);\n"
 )
-_FUNCTIONS = ["snapshot", "empty_launch", "build_info", "pack", "count_divergence"]
+_FUNCTIONS = ["snapshot", "empty_launch", "build_info", "pack", "count_divergence", "count_pair", "receive"]
 # Which sources a kernel file was built from: a file from another pack version is not used.
 SOURCE_HASH = hashlib.sha256((_CUDA_SOURCE + _CPP_SOURCE + _SCAN_SOURCE).encode()).hexdigest()[:16]
 _ARCH = re.compile(r"(\d+)\.(\d+)([af]?)(\+PTX)?")

@@ -21,8 +21,9 @@ serves), its native scan looks first: one call that answers "clean" only where t
 Python walk would find no route and report nothing (the same kinds, layouts, bounds and
 skips), and "unsure" for anything it does not read exactly as the walk does (a type not
 met yet, a tensor subclass, a list, tuple or dict subclass that reads otherwise, a
-getattr that raises, a changed epilogue); the Python walk then runs as before. So the
-common clean step pays one native call; what is copied and said is the walk's alone.
+getattr that raises, a changed epilogue); the Python walk then runs as before. Once a scan
+is bound, the wrapper itself runs in C too (`boundary_check`): a clean step runs no Python
+of the pack's, and what is copied and said is the walk's alone.
 Which check serves is said once, at the first check on a GPU; on the CPU the Python walk
 serves and nothing is said.
 
@@ -46,6 +47,8 @@ _KINDS, _kind = holders.KINDS, holders.kind
 _LEAF, _TENSOR, _SEQUENCE, _MAPPING = holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING
 _PROBE = object()      # not known yet: found at the first check on a GPU
 _native = _PROBE       # the kernel library whose native scan serves, None: the Python walk alone
+_native_check = None   # check_results in C, once a scan is bound (the library serves)
+EPILOGUE = "_verify_epilogue"  # the worker's attribute that holds the verify graph's epilogue
 
 
 def reset() -> None:
@@ -57,8 +60,8 @@ def reset() -> None:
 def use_native(library=_PROBE) -> None:
     """Which check serves (tests, benchmarks): `library`'s native scan (a loaded kernel
     library), None for the Python walk alone, or by default what the first check on a GPU finds."""
-    global _native
-    _native = library
+    global _native, _native_check
+    _native, _native_check = library, None
     _storages.clear()
 
 
@@ -80,12 +83,21 @@ def _library():
 
 
 def check_results(wrapped, instance, args, kwargs):
+    """The wrapper on the worker's return. Once the native scan serves, its C form
+    (`boundary_check` in the kernel file) does all of this and hands `_checked` only what
+    the scan is unsure of: a clean step runs no Python here."""
+    if _native_check is not None:
+        return _native_check(wrapped, instance, args, kwargs)
     result = wrapped(*args, **kwargs)
-    epilogue = getattr(instance, "_verify_epilogue", None)
+    epilogue = getattr(instance, EPILOGUE, None)
     if epilogue is None or result is None or result is epilogue:
         return result
+    return _checked(result, epilogue)
+
+
+def _checked(result, epilogue):
     try:
-        scan = (_storages.get(id(epilogue)) or _cache(epilogue))[4]  # detach_escapes' first look, inline: every step
+        scan = (_storages.get(id(epilogue)) or _cache(epilogue))[4]  # detach_escapes' first look, inline
         if scan is not None and scan(result, epilogue):
             return result
         return _walk(result, epilogue)[0]
@@ -116,7 +128,15 @@ def _cache(epilogue) -> tuple:
             holders.KINDS, holders._layouts, (holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING, holders.HOLDER),
             (torch.Tensor, torch.nn.Parameter), watched, list(ids), len(state), list(storages), MAX_DEPTH, MAX_VALUES)
         cached = _storages[id(epilogue)] = (watched, ids, len(state), storages, scan)
+        if scan is not None:
+            _serve_native(library)
     return cached
+
+
+def _serve_native(library) -> None:
+    global _native_check
+    if _native_check is None:  # reads this very map (never rebound: reset() clears it in place)
+        _native_check = library.boundary_check(_storages, _checked, EPILOGUE)
 
 
 def detach_escapes(result, epilogue) -> tuple[object, list[str]]:

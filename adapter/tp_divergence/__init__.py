@@ -24,7 +24,6 @@ no value: nothing to compare there. The broadcast values are left as they were.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -114,23 +113,29 @@ def _site_and_values(site, values):
     return site, values
 
 
-def _compare_sync(every, wrapped, instance, args, kwargs, abort=False):
-    """Around SpecTpSync.sync(site, values) (0.5.19+): only where it broadcasts. sync is
-    shown (upstream_sync) to broadcast its argument in place from rank 0 of its group and
-    return it: rank 0 sends its own value; another rank has sync receive rank 0's into a
-    tensor of its own, and one launch compares it with the caller's and copies it there."""
-    site, values = _site_and_values(*args, **kwargs)
-    if not instance.enabled(site):
-        return wrapped(*args, **kwargs)
-    divergence.raise_if_stopped()
-    number, slug = divergence.label(site)
-    if instance._tp_group.rank_in_group == 0:
-        result = wrapped(*args, **kwargs)
-        divergence.observe(number, slug, (values,), (result,), every, abort)  # counts the call: rank 0's own value
-        return result
-    received = wrapped(site, values.new_empty(values.shape))  # contiguous, whatever the caller's layout
-    divergence.observe(number, slug, (values,), (received,), every, abort, settle=True)
-    return values
+def compare_sync(every: int, abort: bool = False):
+    """The wrapper around SpecTpSync.sync(site, values) (0.5.19+), acting only where sync
+    broadcasts. sync is shown (upstream_sync) to broadcast its argument in place from rank 0
+    of its group and return it: rank 0 sends its own value; another rank has sync receive
+    rank 0's into a tensor of its own (divergence.receiver), and one launch compares it with
+    the caller's and copies it there. A closure, not a partial: this runs at every eager call."""
+    observe, receiver, label = divergence.observe, divergence.receiver, divergence.label
+
+    def around_sync(wrapped, instance, args, kwargs):
+        site, values = args if len(args) == 2 and not kwargs else _site_and_values(*args, **kwargs)
+        if not instance.enabled(site):
+            return wrapped(*args, **kwargs)
+        divergence.raise_if_stopped()
+        number, slug = label(site)
+        if instance._tp_group.rank_in_group == 0:
+            result = wrapped(site, values)
+            observe(number, slug, (values,), (result,), every, abort)  # counts the call: rank 0's own value
+            return result
+        received = wrapped(site, receiver(values))  # contiguous, whatever the caller's layout
+        observe(number, slug, (values,), (received,), every, abort, True)
+        return values
+
+    return around_sync
 
 
 # ---------------------------------------------------------------- declaration
@@ -180,10 +185,9 @@ def _engine_plan(engine, module, setting: Setting, context) -> Plan:
               + f"; report every {setting.every} calls and at exit, {when(context)}; shown from its source: "
               + "; ".join(shown) + f"; {upstream_sync.describe_groups(groups)}")
     owner = contract.attr("SpecTpSync")
-    patches = [Patch(owner, "sync", functools.partial(_compare_sync, setting.every, abort=setting.abort))]
+    patches = [Patch(owner, "sync", compare_sync(setting.every, setting.abort))]
     if own:  # beside the engine's sites: the pack's broadcast, which serves only its own sites here
-        patches.append(Patch(pack, "broadcast", functools.partial(before_0_5_19.compare_broadcast, setting.every,
-                                                                  abort=setting.abort)))
+        patches.append(Patch(pack, "broadcast", before_0_5_19.compare_broadcast(setting.every, setting.abort)))
         detail += f"; the pack's own {labels(own)} compared at {pack.__name__}.broadcast"
     dump, dump_detail = watchdog_dump.patch(engine)
     detail += abort_detail(setting, CONSENSUS_WHY) + f"; {dump_detail}"

@@ -5,8 +5,6 @@ selects. Kept only for those releases (the adapter's ledger): delete this file w
 
 from __future__ import annotations
 
-import functools
-
 from ..engine.contract import POSITIONAL, Contract, Refused
 from ..framework.plan import Patch, Plan
 from ..spectpsync import broadcast as pack
@@ -17,28 +15,32 @@ from . import divergence
 from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, abort_detail, one_rank, watchdog_dump, when
 
 
-def compare_broadcast(every, wrapped, instance, args, kwargs, abort=False):
-    """Around the pack's broadcast(family, site, *tensors) (0.5.16 - 0.5.18, and the pack's
-    own sites on 0.5.19+)."""
-    family, site, *tensors = args
-    group = pack.group_of(family)
-    if group.world_size == 1:  # nothing is broadcast
-        return wrapped(*args, **kwargs)
-    divergence.raise_if_stopped()
-    number, slug = divergence.label(site)
-    if len(tensors) == 1 and group.rank_in_group:
-        # One tensor, broadcast in place: rank 0's value is received into a tensor of its
-        # own, and one launch compares it with this rank's and writes it there.
-        received = wrapped(family, site, tensors[0].new_empty(tensors[0].shape))
-        divergence.observe(number, slug, tensors, received, every, abort, settle=True)
-        return tuple(tensors)
-    # A packed broadcast sends copies in one block and leaves the tensors as they were:
-    # they are this rank's own values (and rank 0's own are rank 0's). Otherwise they are
-    # overwritten in place: copy first.
-    mine = tensors if pack.keeps_inputs(tensors) or not group.rank_in_group else divergence.copies(tensors)
-    result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or the block's
-    divergence.observe(number, slug, mine, result, every, abort)
-    return result
+def compare_broadcast(every: int, abort: bool = False):
+    """The wrapper around the pack's broadcast(family, site, *tensors) (0.5.16 - 0.5.18, and
+    the pack's own sites on 0.5.19+)."""
+
+    def around_broadcast(wrapped, instance, args, kwargs):
+        family, site, *tensors = args
+        group = pack.group_of(family)
+        if group.world_size == 1:  # nothing is broadcast
+            return wrapped(*args, **kwargs)
+        divergence.raise_if_stopped()
+        number, slug = divergence.label(site)
+        if len(tensors) == 1 and group.rank_in_group:
+            # One tensor, broadcast in place: rank 0's value is received into a tensor of its
+            # own, and one launch compares it with this rank's and writes it there.
+            received = wrapped(family, site, divergence.receiver(tensors[0]))
+            divergence.observe(number, slug, tensors, received, every, abort, settle=True)
+            return tuple(tensors)
+        # A packed broadcast sends copies in one block and leaves the tensors as they were:
+        # they are this rank's own values (and rank 0's own are rank 0's). Otherwise they are
+        # overwritten in place: copy first.
+        mine = tensors if pack.keeps_inputs(tensors) or not group.rank_in_group else divergence.copies(tensors)
+        result = wrapped(*args, **kwargs)  # rank 0's values: the tensors in place, or the block's
+        divergence.observe(number, slug, mine, result, every, abort)
+        return result
+
+    return around_broadcast
 
 
 def plan(engine, setting, context) -> Plan:
@@ -63,5 +65,5 @@ def plan(engine, setting, context) -> Plan:
     dump, dump_detail = watchdog_dump.patch(engine)
     detail += abort_detail(setting, "this release has no rank-consensus checker (0.5.19+)") + f"; {dump_detail}"
     return Plan("applied", detail,
-                [Patch(pack, "broadcast", functools.partial(compare_broadcast, setting.every, abort=setting.abort)),
+                [Patch(pack, "broadcast", compare_broadcast(setting.every, setting.abort)),
                  dump])

@@ -99,7 +99,7 @@ _slugs: dict[int, str] = {}  # site number -> slug, as the engine (or the pack) 
 _calls = 0  # observe() calls made from Python, every site
 _started = False
 _reading = False  # a read of some device's counters is in flight
-_fused: Optional[tuple] = None  # (count_divergence, snapshot) of the kernel library, () for torch ops; None: undecided
+_kernel = None  # the kernel library where it serves CUDA values, False for torch ops; None: undecided
 _use_kernel = True  # use_kernel() (tests, benchmarks)
 _said_torch: set = set()  # sites whose values the fused kernel could not take, said once each
 _labels: dict = {}  # id(site member) -> (number, slug): Enum's .name costs about a microsecond per read
@@ -123,8 +123,8 @@ def label(site) -> tuple[int, str]:
 def use_kernel(enabled: bool) -> None:
     """Compare CUDA values with the kernel library where it serves (the default), or with
     torch ops (tests and benchmarks compare both); decided again, and said, at the next call."""
-    global _use_kernel, _fused
-    _use_kernel, _fused = bool(enabled), None
+    global _use_kernel, _kernel
+    _use_kernel, _kernel = bool(enabled), None
 
 
 def compare_mode() -> tuple[str, str]:
@@ -133,23 +133,34 @@ def compare_mode() -> tuple[str, str]:
     return library.serving(_use_kernel, "fused kernel", "torch ops")[:2]
 
 
-def _decide_fused() -> tuple:
-    global _fused
+def _decide_kernel():
+    global _kernel
     mode, detail, kernel = library.serving(_use_kernel, "fused kernel", "torch ops")
-    _fused = (kernel.count_divergence, kernel.snapshot) if kernel is not None else ()
+    _kernel = kernel if kernel is not None else False
     # Probed at the first CUDA call, on the rank's own device; one line says which serves.
     log.emit(f"tp_divergence compare: {mode} - {detail}", adapter="tp_divergence", compare=mode, detail=detail)
-    return _fused
+    return _kernel
 
 
 def copies(tensors) -> list:
     """This rank's own values, kept before a broadcast overwrites them in place: on CUDA
     one launch into one block for all of them where the kernel library serves, else clones."""
     if tensors[0].is_cuda:
-        fused = _fused if _fused is not None else _decide_fused()
-        if fused:
-            return fused[1](tensors)
+        kernel = _kernel if _kernel is not None else _decide_kernel()
+        if kernel:
+            return kernel.snapshot(tensors)
     return [t.clone() for t in tensors]
+
+
+def receiver(value):
+    """A contiguous tensor like `value` for rank 0's value to be received into, then read by
+    observe(..., settle=True) on the same stream: on CUDA where the kernel library serves, one
+    block per stream kept from call to call (fresh inside graph capture), else new_empty."""
+    if value.is_cuda:
+        kernel = _kernel if _kernel is not None else _decide_kernel()
+        if kernel:
+            return kernel.receive(value)
+    return value.new_empty(value.shape)
 
 
 def calls() -> int:
@@ -187,9 +198,10 @@ def observe(number: int, slug: str, mine, theirs, every: int, abort: bool = Fals
     _abort = abort
     if abort:  # before the count: the call's number is the count so far plus one
         _record_first(tally, number, mine, theirs)
-    fused = (_fused if _fused is not None else _decide_fused()) if first.is_cuda else ()
-    if not (fused and fused[0](mine, theirs, tally.counts, number, settle)):
-        if fused and number not in _said_torch:
+    kernel = (_kernel if _kernel is not None else _decide_kernel()) if first.is_cuda else False
+    if not (kernel and (kernel.count_pair(first, theirs[0], tally.counts, number, settle) if len(mine) == 1
+                        else kernel.count_divergence(mine, theirs, tally.counts, number, settle))):
+        if kernel and number not in _said_torch:
             _said_torch.add(number)
             log.emit(f"tp_divergence compare: site {number}:{slug} with torch ops - the fused kernel takes up to 8 "
                      "contiguous values of 1, 2, 4 or 8-byte elements on one GPU", adapter="tp_divergence",
@@ -366,9 +378,9 @@ def totals() -> dict[str, list[int]]:
 def forget() -> None:
     """Drop every device's counters and the comparison's decision (tests): the next call
     makes them anew."""
-    global _reading, _fused, _stopped
+    global _reading, _kernel, _stopped
     _tallies.clear()
-    _reading, _fused, _stopped = False, None, None
+    _reading, _kernel, _stopped = False, None, None
     _said_torch.clear()
 
 
