@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from sglang_dsv41_adapters.tp_divergence import divergence
-from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: F401  (offers the kernel library, as a rank's registry does)
+from sglang_dsv41_adapters.folded_fence import accept_snapshot  # also offers the kernel library, as a rank's registry does
 from sglang_dsv41_adapters.framework import runtime  # noqa: E402
 from sglang_dsv41_adapters import tp_divergence as t  # noqa: E402
 
@@ -212,6 +212,7 @@ def run_gpu(opts) -> dict:
         switch(variant.replace("_torch", ""))
         divergence.use_kernel(not variant.endswith("_torch"))
 
+    kernel = accept_snapshot.probed_extension()
     for bs in (1, 64, 256):
         values = torch.arange(bs, device=device)
         stand_in.rank0 = values.clone()
@@ -228,7 +229,10 @@ def run_gpu(opts) -> dict:
                     tp_sync.sync(S.DSPARK_ACCEPT_GRAPH, values)
             graphs[variant] = graph
         torch.cuda.synchronize()
+        times["eager/empty_launch"] = []
         for _ in range(opts.reps):
+            if kernel is not None:  # the yardstick, timed the same way in the same repetition
+                times["eager/empty_launch"].append(timed(lambda i: kernel.empty_launch(), opts.calls))
             for variant in gpu_variants:
                 switch_gpu(variant)
                 torch.cuda.synchronize()
@@ -241,7 +245,7 @@ def run_gpu(opts) -> dict:
                 end.record()
                 end.synchronize()
                 times[f"captured/{variant}"].append(start.elapsed_time(end) * 1e3 / (opts.replays * per_graph))
-        out[f"bs{bs}"] = {k: statistics.median(v) for k, v in times.items()}
+        out[f"bs{bs}"] = {k: statistics.median(v) for k, v in times.items() if v}
     switch_gpu("off")
     print(f"per site call, us (median): eager = host time, captured = GPU time per call in a graph of 32; "
           f"on = {' - '.join(divergence.compare_mode())}, on_torch = torch ops, abort = on + the first diverging "
@@ -256,6 +260,11 @@ def run_gpu(opts) -> dict:
                 f"{row[f'{kind}/{v}']:>{w}.2f} ({row[f'{kind}/{v}'] - off:+.2f})"
                 for v, w in (("on", 9), ("on_torch", 11), ("abort", 11))))
         print(f"{case:<8}" + "".join(cells))
+    for case, row in out.items():
+        if "eager/empty_launch" in row:
+            launch, added = row["eager/empty_launch"], row["eager/on"] - row["eager/off"]
+            print(f"{case}: the report adds {added:.2f} us per eager call = {added / launch:.2f} empty kernel launches "
+                  f"({launch:.2f} us each, timed alike in the same repetitions)")
     return {"mode": "cuda-one-process", "device": torch.cuda.get_device_name(), "compare": divergence.compare_mode(),
             "results": out}
 

@@ -41,11 +41,15 @@ from .engines import ROOT
 # COLUMNS and LINES: a terminal library of the test process may put them in its C environment
 # (what a spawned child inherits) without os.environ knowing; only a terminal's width reads them.
 # SGLANG_ADAPTERS_SNAPSHOT_KERNEL: the pack reads it when the fence first needs its copy.
+# SGLANG_PLUGINS and SGLANG_SPEC_TP_SYNC: the engine reads them with envs.X.get() when it loads
+# its plugins (sglang.srt.plugins.load_plugins) and builds a SpecTpSync (its __init__), on every
+# release that has them; the preload never does either (it would import the pack, refused there).
 LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "PYTEST_CURRENT_TEST",
         "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
         "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "COLUMNS", "LINES",
-        "SGLANG_ADAPTERS_SNAPSHOT_KERNEL")
-LATE_PREFIXES = ("DSV41_",)
+        "SGLANG_ADAPTERS_SNAPSHOT_KERNEL", "SGLANG_PLUGINS", "SGLANG_SPEC_TP_SYNC")
+# The pack's flags, and the near-misses of them it reports (DSV4_..., dsv41_...): read by the pack only.
+LATE_PREFIXES = ("DSV4", "dsv4")
 KEEP = 6  # warm parents per test process (about 0.9 GB each); the least recently used one goes first
 
 

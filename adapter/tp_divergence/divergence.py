@@ -94,7 +94,7 @@ class Tally:
         return self.event is None or self.event.query()
 
 
-_tallies: dict = {}
+_tallies: dict = {}  # device index (-1: the CPU) -> Tally
 _slugs: dict[int, str] = {}  # site number -> slug, as the engine (or the pack) names it
 _calls = 0  # observe() calls made from Python, every site
 _started = False
@@ -175,13 +175,15 @@ def _capturing(tensor) -> bool:
 
 
 def _tally(device, capturing: bool, label: str) -> Tally:
-    tally = _tallies.get(device)
+    """The counters of `device`, made at its first call (outside capture). Keyed by the
+    device's index (-1: the CPU), which a tensor gives cheaper than its device object."""
+    tally = _tallies.get(device.index if device.type == "cuda" else -1)
     if tally is None:
         if capturing:
             raise RuntimeError(
                 f"tp_divergence: site {label} first ran inside CUDA graph capture on {device}; its counters must "
                 f"exist before capture (a warm-up call outside capture makes them): switch DSV41_TP_DIVERGENCE off")
-        tally = _tallies[device] = Tally(device)
+        tally = _tallies[device.index if device.type == "cuda" else -1] = Tally(device)
     return tally
 
 
@@ -192,7 +194,7 @@ def observe(number: int, slug: str, mine, theirs, every: int, abort: bool = Fals
     With `abort`, raise Diverged at the first divergence a landed read shows."""
     global _calls, _started, _abort
     first = mine[0]  # on the device of theirs (received apart, or the same tensors)
-    tally = _tallies.get(first.device)
+    tally = _tallies.get(first.get_device())  # a GPU's index, -1 on the CPU
     if tally is None:
         tally = _tally(first.device, _capturing(first), f"{number}:{slug}")
     _abort = abort
