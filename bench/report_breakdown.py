@@ -13,7 +13,9 @@ stand-in group (rank 1; its broadcast is one copy launch):
   count_pair        the same for one pair (what a site of one tensor calls)
   observe           divergence.observe(..., settle=True): the fused call and the report's Python
   sync_off          SpecTpSync.sync, the report off (the stand-in broadcast: one launch)
-  sync_on           SpecTpSync.sync, the report on (tp_divergence's wrapper, as a rank applies it)
+  sync_on           SpecTpSync.sync, the report on (tp_divergence's wrapper, as a rank applies it: its
+                    C form, the kernel library's report_sync)
+  sync_on_python    the same with the wrapper's Python form alone (divergence.use_c_form(False))
 
 sync_on - sync_off is what the report adds per eager site call (bench/divergence_cost.py's figure).
 """
@@ -69,18 +71,22 @@ def main(argv=None) -> int:
         "observe": lambda: divergence.observe(number, slug, (values,), (received,), 1 << 40, settle=True),
         "sync_on": lambda: tp_sync.sync(S.DSPARK_TARGET, values),
     }
-    times = {name: [] for name in (*pieces, "sync_off")}
+    times = {name: [] for name in (*pieces, "sync_on_python", "sync_off")}
     for _ in range(opts.reps):
         switch("on")
         for name, fn in pieces.items():
             times[name].append(per_call(fn, opts.calls))
+        divergence.use_c_form(False)
+        times["sync_on_python"].append(per_call(pieces["sync_on"], opts.calls))
+        divergence.use_c_form(True)
         switch("off")
         times["sync_off"].append(per_call(lambda: tp_sync.sync(S.DSPARK_TARGET, values), opts.calls))
     print(f"the report's eager host time, piece by piece, bs 64, us per call (median of {opts.reps} x {opts.calls}; "
           f"{torch.cuda.get_device_name()})")
     for name, runs in times.items():
         print(f"{name:<18}{statistics.median(runs):>8.2f}")
-    print(f"{'sync_on - off':<18}{statistics.median(times['sync_on']) - statistics.median(times['sync_off']):>8.2f}")
+    for name in ("sync_on", "sync_on_python"):
+        print(f"{name + ' - off':<22}{statistics.median(times[name]) - statistics.median(times['sync_off']):>8.2f}")
     return 0
 
 

@@ -27,6 +27,7 @@ PYTHONPATH: `python3 -m pytest tests/test_divergence_gpu.py -q -rA`.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -276,6 +277,31 @@ def test_the_kernel_library_serves_packing_and_comparing():
 
     assert b.packing_mode() == ("one-launch block", accept_snapshot.kernel_path())
     assert divergence.compare_mode() == ("fused kernel", accept_snapshot.kernel_path())
+
+
+@needs_kernel
+def test_the_c_form_serves_eager_calls_with_no_python_of_the_packs(report_on):
+    """Once the first call labelled the site and made the counters, an eager sync call runs
+    the C form (the kernel library's report_sync): the only frame of the pack's is the
+    dispatcher; rank 0's value lands in the caller's tensor and the call is counted."""
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite as S
+
+    skew = torch.zeros((), dtype=torch.int64, device="cuda")
+    tp_sync, values = target_site_ready(skew)
+    mine = values.clone()
+    tp_sync.sync(S.DSPARK_TARGET, mine)  # binds the C form, if target_site_ready's call did not
+    skew.fill_(1)
+    frames = []
+    sys.setprofile(lambda frame, event, arg: event == "call" and frames.append(
+        (frame.f_globals.get("__name__", ""), frame.f_code.co_name)))
+    try:
+        assert tp_sync.sync(S.DSPARK_TARGET, mine) is mine
+    finally:
+        sys.setprofile(None)
+    torch.cuda.synchronize()
+    assert [name for module, name in frames if module.startswith("sglang_dsv41_adapters")] == ["around_sync_in_c"]
+    assert torch.equal(mine, values + 1)
+    assert divergence.totals() == {"11:dspark-target": [2, 1, BS]}
 
 
 @needs_kernel

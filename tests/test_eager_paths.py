@@ -63,7 +63,8 @@ DRAFT = torch.arange(8)
 
 
 class StandInLibrary:
-    """The kernel library's pack / snapshot / receive / count_pair / count_divergence, made of torch ops."""
+    """The kernel library's pack / snapshot / receive / count_pair / count_divergence, made of torch ops
+    (its report_sync, the C form of tp_divergence's wrapper, hands every call to the Python form)."""
 
     def __init__(self, packs=True, compares=True):
         self.packs, self.compares, self.calls = packs, compares, []
@@ -87,6 +88,9 @@ class StandInLibrary:
     def snapshot(self, tensors):
         self.calls.append(("snapshot", len(tensors)))
         return [on_cuda(t.clone()) for t in tensors]  # the library's copies are on the fields' GPU
+
+    def report_sync(self, around_sync, state, library, after, every):
+        return around_sync  # the C form takes real CUDA tensors only: here every call is around_sync's
 
     def receive(self, like):
         self.calls.append(("receive",))
@@ -386,3 +390,27 @@ def test_rank0_sends_its_own_value_and_counts_the_call(library, report_on):
     assert torch.equal(mine, kept) and group.received == []
     assert library.calls == [("count_pair", 1, 17)] * 3
     assert divergence.totals() == {"17:dspark-draft": [3, 0, 0]}
+
+
+def test_the_c_form_of_the_report_hands_what_it_does_not_take_to_the_python_form(sm80):
+    """The real kernel file's report_sync (built for sm_80, loaded here): a CPU value, keywords,
+    another argument count all go to the Python form with the very arguments, and its
+    result or exception comes back. The call it takes itself (a contiguous CUDA value) is
+    tests/test_divergence_gpu.py's."""
+    kernel = accept_snapshot.load(str(sm80))[0]
+    seen = []
+
+    def around_sync(*args):
+        seen.append(args)
+        if len(args) != 4:
+            raise TypeError("four arguments")
+        return "python form"
+
+    form = kernel.report_sync(around_sync, vars(divergence), kernel, divergence._after_count, 1000)
+    site, values = object(), torch.arange(4)
+    for args, kwargs in (((site, values), {}), ((site,), {"values": values}), ((site, values), None)):
+        assert form(len, "instance", args, kwargs) == "python form"
+        assert seen.pop() == (len, "instance", args, kwargs)
+    with pytest.raises(TypeError, match="four arguments"):
+        form(len, "instance")
+    assert seen.pop() == (len, "instance")

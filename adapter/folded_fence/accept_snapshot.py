@@ -311,11 +311,181 @@ pybind11::object bound_function(State* state, const char* name, PyCapsule_Destru
   if (function == nullptr) throw pybind11::error_already_set();
   return pybind11::reinterpret_steal<pybind11::object>(function);
 }
+// tp_divergence's wrapper around SpecTpSync.sync(site, values) with its common eager call in
+// C: the call the Python form (`slow`) would make with the kernel library serving, abort off,
+// the site labelled, the device's counters made, a contiguous CUDA value. It reads the
+// report's state from divergence's module dict, asks the engine `instance.enabled(site)`,
+// broadcasts through `wrapped` (rank 0 its own value, another rank into the kept receive
+// block), counts with one count_pair launch and adds the call to `_calls`; where a read is
+// due or in flight, or the call is a first of some kind, `after(number, slug, value, every,
+// False)` does the report's bookkeeping. Anything else is `slow`'s.
+struct ReportSync {
+  PyObject *slow, *state, *library, *after;  // owned references
+  long every;
+  ~ReportSync() {
+    for (PyObject* o : {slow, state, library, after}) Py_XDECREF(o);
+  }
+};
+
+const char kReportCapsule[] = "dsv41.report_sync";
+
+PyObject* interned(const char* name) {
+  PyObject* s = PyUnicode_InternFromString(name);
+  if (s == nullptr) throw pybind11::error_already_set();
+  return s;  // immortal enough: kept for the process
+}
+
+// The state entry `name` (borrowed), nullptr where absent.
+PyObject* state_of(const ReportSync& r, PyObject* name) {
+  return PyDict_GetItemWithError(r.state, name);
+}
+
+// The device's counter tensor from divergence._tallies (keyed by device index), a new
+// reference, or nullptr.
+PyObject* counts_of(const ReportSync& r, int64_t device) {
+  static PyObject *tallies = interned("_tallies"), *counts = interned("counts");
+  PyObject* table = state_of(r, tallies);
+  if (table == nullptr || !PyDict_CheckExact(table)) return nullptr;
+  PyObject* key = PyLong_FromLongLong(device);
+  if (key == nullptr) return nullptr;
+  PyObject* tally = PyDict_GetItemWithError(table, key);
+  Py_DECREF(key);
+  if (tally == nullptr) return nullptr;
+  PyObject* tensor = PyObject_GetAttr(tally, counts);
+  if (tensor != nullptr && !THPVariable_CheckExact(tensor)) Py_CLEAR(tensor);
+  return tensor;
+}
+
+// observe's bookkeeping after a counted call: only `_calls += 1` where that is all it would
+// do (not a first call, no read due or in flight); else divergence's `after` does it all.
+PyObject* count_the_call(const ReportSync& r, PyObject* label, PyObject* values) {
+  static PyObject *started = interned("_started"), *reading = interned("_reading"), *slugs = interned("_slugs"),
+                  *calls = interned("_calls");
+  PyObject* number = PyTuple_GET_ITEM(label, 0);
+  PyObject* total = state_of(r, calls);
+  PyObject* known = state_of(r, slugs);
+  const long long next = total != nullptr && PyLong_CheckExact(total) ? PyLong_AsLongLong(total) + 1 : -1;
+  if (next > 0 && next % r.every != 0 && state_of(r, started) == Py_True && state_of(r, reading) == Py_False &&
+      known != nullptr && PyDict_Contains(known, number) == 1) {
+    PyObject* updated = PyLong_FromLongLong(next);
+    const int failed = updated == nullptr ? -1 : PyDict_SetItem(r.state, calls, updated);
+    Py_XDECREF(updated);
+    return failed ? nullptr : Py_NewRef(Py_None);
+  }
+  if (PyErr_Occurred()) return nullptr;
+  return PyObject_CallFunction(r.after, "OOOOOl", number, PyTuple_GET_ITEM(label, 1), values, Py_None, Py_False, r.every);
+}
+
+// receive() and count_pair() for a CPython caller: a C++ exception becomes a Python one.
+PyObject* receive_for(const at::Tensor& mine) {
+  try {
+    return THPVariable_Wrap(receive(mine));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+int count_for(const at::Tensor& mine, const at::Tensor& theirs, const at::Tensor& counts, int64_t row, bool settle) {
+  try {
+    return count_pair(mine, theirs, counts, row, settle) ? 1 : 0;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return -1;
+  }
+}
+
+// The call once the site is labelled and the device's counters exist, as the Python form makes it.
+PyObject* counted_call(const ReportSync& r, PyObject* const* args, PyObject* label, const at::Tensor& counts) {
+  static PyObject *enabled = interned("enabled"), *group = interned("_tp_group"), *rank = interned("rank_in_group");
+  PyObject *wrapped = args[0], *instance = args[1], *site = PyTuple_GET_ITEM(args[2], 0),
+           *values = PyTuple_GET_ITEM(args[2], 1);
+  const at::Tensor& mine = THPVariable_Unpack(values);
+  PyObject* on = PyObject_CallMethodOneArg(instance, enabled, site);
+  const int broadcasts = on == nullptr ? -1 : PyObject_IsTrue(on);
+  Py_XDECREF(on);
+  if (broadcasts <= 0) return broadcasts < 0 ? nullptr : PyObject_Call(wrapped, args[2], nullptr);
+  PyObject* tp_group = PyObject_GetAttr(instance, group);
+  PyObject* rank_object = tp_group == nullptr ? nullptr : PyObject_GetAttr(tp_group, rank);
+  Py_XDECREF(tp_group);
+  const long my_rank = rank_object == nullptr ? -1 : PyLong_AsLong(rank_object);
+  Py_XDECREF(rank_object);
+  const int64_t number = PyLong_AsLongLong(PyTuple_GET_ITEM(label, 0));
+  if (PyErr_Occurred()) return nullptr;
+  const bool settle = my_rank != 0;  // rank 0 sends its own value; another receives rank 0's apart
+  PyObject* sent = settle ? receive_for(mine) : Py_NewRef(values);
+  if (sent == nullptr) return nullptr;
+  PyObject* result = PyObject_CallFunctionObjArgs(wrapped, site, sent, nullptr);
+  Py_DECREF(sent);
+  if (result == nullptr) return nullptr;
+  // sync is shown to return its argument: anything else, or values the kernel declines, observe counts
+  const int counted = THPVariable_CheckExact(result) ? count_for(mine, THPVariable_Unpack(result), counts, number, settle) : 0;
+  PyObject* done = counted < 0 ? nullptr
+      : counted ? count_the_call(r, label, values)
+      : PyObject_CallFunction(r.after, "OOOOOl", PyTuple_GET_ITEM(label, 0), PyTuple_GET_ITEM(label, 1), values,
+                              result, settle ? Py_True : Py_False, r.every);
+  if (done == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  Py_DECREF(done);
+  if (!settle) return result;  // rank 0's own value, as sync returned it
+  Py_DECREF(result);
+  return Py_NewRef(values);  // rank 0's value, written over this rank's own
+}
+
+PyObject* report_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  static PyObject *stopped = interned("_stopped"), *kernel = interned("_kernel"), *abort = interned("_abort"),
+                  *labels = interned("_labels");
+  auto* r = static_cast<ReportSync*>(PyCapsule_GetPointer(self, kReportCapsule));
+  if (r == nullptr) return nullptr;
+  // the Python form's own reading of the call: sync(site, values), positionally
+  const bool plain_call = nargs == 4 && PyTuple_CheckExact(args[2]) && PyTuple_GET_SIZE(args[2]) == 2 &&
+                          (args[3] == Py_None || (PyDict_Check(args[3]) && PyDict_GET_SIZE(args[3]) == 0));
+  PyObject* values = plain_call ? PyTuple_GET_ITEM(args[2], 1) : nullptr;
+  if (values == nullptr || !THPVariable_CheckExact(values) || !THPVariable_Unpack(values).is_cuda() ||
+      !THPVariable_Unpack(values).is_contiguous() || state_of(*r, stopped) != Py_None ||
+      state_of(*r, kernel) != r->library || state_of(*r, abort) != Py_False) {
+    return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(r->slow, args, nargs, nullptr);
+  }
+  PyObject* label = nullptr;
+  PyObject* table = state_of(*r, labels);
+  PyObject* key = table == nullptr ? nullptr : PyLong_FromVoidPtr(PyTuple_GET_ITEM(args[2], 0));  // id(site)
+  if (key != nullptr) {
+    label = PyDict_GetItemWithError(table, key);
+    Py_DECREF(key);
+  }
+  PyObject* counts = label != nullptr && PyTuple_CheckExact(label) && PyTuple_GET_SIZE(label) == 2
+      ? counts_of(*r, THPVariable_Unpack(values).get_device()) : nullptr;
+  if (counts == nullptr) {  // a first call at this site or on this device: the Python form labels it, makes the counters
+    return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(r->slow, args, nargs, nullptr);
+  }
+  Py_INCREF(label);  // kept across the engine's Python, with the counters
+  PyObject* out = counted_call(*r, args, label, THPVariable_Unpack(counts));
+  Py_DECREF(label);
+  Py_DECREF(counts);
+  return out;
+}
+
+PyMethodDef kReportMethod = {"report_sync", (PyCFunction)(void (*)(void))report_call, METH_FASTCALL,
+                             "around_sync(wrapped, instance, args, kwargs) -> what SpecTpSync.sync returns, counted"};
+
+void drop_report(PyObject* capsule) {
+  delete static_cast<ReportSync*>(PyCapsule_GetPointer(capsule, kReportCapsule));
+}
 }  // namespace
 
 pybind11::object boundary_check(pybind11::dict storages, pybind11::object checked, pybind11::str name) {
   auto* c = new BoundaryCheck{storages.inc_ref().ptr(), checked.inc_ref().ptr(), name.inc_ref().ptr()};
   return bound_function(c, kCheckCapsule, drop_check, &kCheckMethod);
+}
+
+pybind11::object report_sync(pybind11::object slow, pybind11::dict state, pybind11::object library,
+                             pybind11::object after, int64_t every) {
+  TORCH_CHECK(every > 0, "report_sync: every must be positive");
+  auto* r = new ReportSync{slow.inc_ref().ptr(), state.inc_ref().ptr(), library.inc_ref().ptr(), after.inc_ref().ptr(),
+                           (long)every};
+  return bound_function(r, kReportCapsule, drop_report, &kReportMethod);
 }
 
 pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pybind11::tuple kind_names,
@@ -343,7 +513,7 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
   return bound_function(s, kScanCapsule, drop_scan, &kScanMethod);
 }
 """
-_SCAN_FUNCTIONS = ["boundary_scan", "boundary_check"]
+_SCAN_FUNCTIONS = ["boundary_scan", "boundary_check", "report_sync"]
 
 _CUDA_SOURCE = r"""
 #include <ATen/core/Tensor.h>

@@ -118,7 +118,9 @@ def compare_sync(every: int, abort: bool = False):
     broadcasts. sync is shown (upstream_sync) to broadcast its argument in place from rank 0
     of its group and return it: rank 0 sends its own value; another rank has sync receive
     rank 0's into a tensor of its own (divergence.receiver), and one launch compares it with
-    the caller's and copies it there. A closure, not a partial: this runs at every eager call."""
+    the caller's and copies it there. A closure, not a partial: this runs at every eager call;
+    with abort off, its common eager call runs in C once the kernel library serves
+    (divergence.with_c_form)."""
     observe, receiver, label = divergence.observe, divergence.receiver, divergence.label
 
     def around_sync(wrapped, instance, args, kwargs):
@@ -135,7 +137,7 @@ def compare_sync(every: int, abort: bool = False):
         observe(number, slug, (values,), (received,), every, abort, True)
         return values
 
-    return around_sync
+    return around_sync if abort else divergence.with_c_form(around_sync, every)
 
 
 # ---------------------------------------------------------------- declaration

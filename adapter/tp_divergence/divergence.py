@@ -23,6 +23,13 @@ kernel file, values it cannot take) torch ops serve: ne, sum, clamp and one add 
 (and a clone or a copy per value), five to eight launches. Which one serves CUDA values is
 said once per process.
 
+With abort off, the wrapper tp_divergence puts on the engine's SpecTpSync.sync has a C form
+in the kernel library (`report_sync`, bound at the first call the library serves: with_c_form):
+the common eager call (the site labelled, the device's counters made, a contiguous CUDA value)
+is read, broadcast, counted and added to `_calls` there, as the Python form would, and
+`_after_count` gets what it does not do itself (a read due or in flight, a first call, values
+the kernel declines).
+
 Every `every` calls made from Python (a captured site replays without Python, so its
 replays reach the report at the next eager call), each device's counters are copied to
 pinned host memory without waiting; the copy is printed once it has landed: one line
@@ -101,6 +108,7 @@ _started = False
 _reading = False  # a read of some device's counters is in flight
 _kernel = None  # the kernel library where it serves CUDA values, False for torch ops; None: undecided
 _use_kernel = True  # use_kernel() (tests, benchmarks)
+_use_c_form = True  # use_c_form() (benchmarks)
 _said_torch: set = set()  # sites whose values the fused kernel could not take, said once each
 _labels: dict = {}  # id(site member) -> (number, slug): Enum's .name costs about a microsecond per read
 _abort = False  # the last call's setting: stop at the first divergence seen
@@ -192,7 +200,7 @@ def observe(number: int, slug: str, mine, theirs, every: int, abort: bool = Fals
     rank 0's (the same tensors after an in-place broadcast, with `mine` kept before it; or,
     with `settle`, received apart: then rank 0's are copied into `mine` in the same launch).
     With `abort`, raise Diverged at the first divergence a landed read shows."""
-    global _calls, _started, _abort
+    global _abort
     first = mine[0]  # on the device of theirs (received apart, or the same tensors)
     tally = _tallies.get(first.get_device())  # a GPU's index, -1 on the CPU
     if tally is None:
@@ -212,6 +220,13 @@ def observe(number: int, slug: str, mine, theirs, every: int, abort: bool = Fals
         if settle:
             for own, received in zip(mine, theirs):
                 own.copy_(received)
+    _count_call(number, slug, first, every, abort)
+
+
+def _count_call(number: int, slug: str, first, every: int, abort: bool) -> None:
+    """What observe does once a call is counted: the call added, and a read started or
+    looked at where one is due or in flight."""
+    global _calls, _started
     _slugs.setdefault(number, slug)
     if not _started:  # the rank, fixed now: at exit the process group may be gone
         _started = True
@@ -229,6 +244,44 @@ def observe(number: int, slug: str, mine, theirs, every: int, abort: bool = Fals
             _print_landed()
         if abort:
             _stop_if_diverged()
+
+
+def with_c_form(around_sync, every: int):
+    """tp_divergence's wrapper of SpecTpSync.sync (`around_sync`, abort off) with its common
+    eager call in C once the kernel library serves this process (its `report_sync`): the call
+    around_sync would make with the library, the site labelled and the device's counters
+    made, the value a contiguous CUDA tensor; it reads this module's state as around_sync
+    does and hands back to `_after_count` what it does not do itself. Every other call is
+    around_sync's."""
+    native = None
+
+    def around_sync_in_c(wrapped, instance, args, kwargs):
+        nonlocal native
+        if native is not None and _use_c_form:
+            return native(wrapped, instance, args, kwargs)
+        result = around_sync(wrapped, instance, args, kwargs)
+        if _kernel:  # decided at the first CUDA call: the library serves
+            native = _kernel.report_sync(around_sync, globals(), _kernel, _after_count, every)
+        return result
+
+    return around_sync_in_c
+
+
+def use_c_form(enabled: bool) -> None:
+    """Run the C form of tp_divergence's wrapper where it serves (the default), or the Python
+    form alone (benchmarks compare both)."""
+    global _use_c_form
+    _use_c_form = bool(enabled)
+
+
+def _after_count(number: int, slug: str, mine, theirs, settle: bool, every: int) -> None:
+    """report_sync's way back: with `theirs`, the whole count (observe: sync returned no
+    tensor, or the fused kernel declined the values); with None, what observe does once the
+    kernel counted the call."""
+    if theirs is not None:
+        observe(number, slug, (mine,), (theirs,), every, False, settle)
+    else:
+        _count_call(number, slug, mine, every, False)
 
 
 def _count_with_torch(tally, number, mine, theirs) -> None:
