@@ -28,8 +28,9 @@ sources or another torch, or holds no code for this GPU, the clones serve and
 The same library serves two more callers on the eager decode path (issue 26), offered to them
 through spectpsync.library: `pack` (snapshot's block, plus the block itself as one flat tensor,
 for the rank-0 broadcast's one collective), `count_divergence` and `count_pair` (the divergence
-report's fused comparison, one launch per site call) and `receive` (the tensor a rank receives
-rank 0's value into at a report site: one kept block per stream).
+report's fused comparison, one launch per site call), `receive` (the tensor a rank receives
+rank 0's value into at a report site: one kept block per stream) and `report_sync` (the
+report's wrapper of SpecTpSync.sync, its common eager call in C).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre
 # state and storages, and returns a plain CPython callable `scan(result, epilogue)`: True only
 # where fence_boundary's Python walk would find no route and report nothing; False (unsure)
 # for anything it does not read exactly as that walk does, which then runs the walk.
+# `boundary_check(...)` is fence_boundary.check_results in C over those scans, and
+# `report_sync(...)` tp_divergence's wrapper of SpecTpSync.sync in C (its common eager call):
+# each hands its Python form what it does not do itself.
 _SCAN_SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/impl/COW.h>
