@@ -185,13 +185,14 @@ def _capturing(tensor) -> bool:
 def _tally(device, capturing: bool, label: str) -> Tally:
     """The counters of `device`, made at its first call (outside capture). Keyed by the
     device's index (-1: the CPU), which a tensor gives cheaper than its device object."""
-    tally = _tallies.get(device.index if device.type == "cuda" else -1)
+    index = device.index if device.type == "cuda" else -1
+    tally = _tallies.get(index)
     if tally is None:
         if capturing:
             raise RuntimeError(
                 f"tp_divergence: site {label} first ran inside CUDA graph capture on {device}; its counters must "
                 f"exist before capture (a warm-up call outside capture makes them): switch DSV41_TP_DIVERGENCE off")
-        tally = _tallies[device.index if device.type == "cuda" else -1] = Tally(device)
+        tally = _tallies[index] = Tally(device)
     return tally
 
 
@@ -260,7 +261,7 @@ def with_c_form(around_sync, every: int):
         if native is not None and _use_c_form:
             return native(wrapped, instance, args, kwargs)
         result = around_sync(wrapped, instance, args, kwargs)
-        if _kernel:  # decided at the first CUDA call: the library serves
+        if native is None and _kernel:  # decided at the first CUDA call: the library serves
             native = _kernel.report_sync(around_sync, globals(), _kernel, _after_count, every)
         return result
 
