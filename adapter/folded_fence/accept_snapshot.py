@@ -222,8 +222,10 @@ PyMethodDef kScanMethod = {"boundary_scan", (PyCFunction)(void (*)(void))scan_ca
                            "scan(result, epilogue) -> True: nothing in result shares the epilogue's storages (exact), "
                            "False: unsure, run the Python walk"};
 
-void drop_scan(PyObject* capsule) {
-  delete static_cast<BoundaryScan*>(PyCapsule_GetPointer(capsule, kScanCapsule));
+// A capsule's destructor: deletes the state it owns (its name is the one it was made with).
+template <typename State>
+void drop(PyObject* capsule) {
+  delete static_cast<State*>(PyCapsule_GetPointer(capsule, PyCapsule_GetName(capsule)));
 }
 
 // fence_boundary.check_results with its clean step in C: wrapt calls it as
@@ -298,14 +300,11 @@ PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef kCheckMethod = {"boundary_check", (PyCFunction)(void (*)(void))check_call, METH_FASTCALL,
                             "check(wrapped, instance, args, kwargs) -> the wrapped call's result, checked"};
 
-void drop_check(PyObject* capsule) {
-  delete static_cast<BoundaryCheck*>(PyCapsule_GetPointer(capsule, kCheckCapsule));
-}
-
-// A C callable over a capsule that owns `state`: what boundary_scan and boundary_check return.
+// A C callable over a capsule that owns `state`: what boundary_scan, boundary_check and
+// report_sync return.
 template <typename State>
-pybind11::object bound_function(State* state, const char* name, PyCapsule_Destructor drop, PyMethodDef* method) {
-  PyObject* capsule = PyCapsule_New(state, name, drop);
+pybind11::object bound_function(State* state, const char* name, PyMethodDef* method) {
+  PyObject* capsule = PyCapsule_New(state, name, drop<State>);
   if (capsule == nullptr) {
     delete state;
     throw pybind11::error_already_set();
@@ -315,14 +314,16 @@ pybind11::object bound_function(State* state, const char* name, PyCapsule_Destru
   if (function == nullptr) throw pybind11::error_already_set();
   return pybind11::reinterpret_steal<pybind11::object>(function);
 }
+
 // tp_divergence's wrapper around SpecTpSync.sync(site, values) with its common eager call in
 // C: the call the Python form (`slow`) would make with the kernel library serving, abort off,
 // the site labelled, the device's counters made, a contiguous CUDA value. It reads the
 // report's state from divergence's module dict, asks the engine `instance.enabled(site)`,
 // broadcasts through `wrapped` (rank 0 its own value, another rank into the kept receive
 // block), counts with one count_pair launch and adds the call to `_calls`; where a read is
-// due or in flight, or the call is a first of some kind, `after(number, slug, value, every,
-// False)` does the report's bookkeeping. Anything else is `slow`'s.
+// due or in flight, the call is a first of some kind, or the kernel declines the values,
+// `after(number, slug, mine, theirs or None, settle, every)` (divergence._after_count) does
+// the rest. Anything else is `slow`'s.
 struct ReportSync {
   PyObject *slow, *state, *library, *after;  // owned references
   long every;
@@ -333,10 +334,25 @@ struct ReportSync {
 
 const char kReportCapsule[] = "dsv41.report_sync";
 
+// The attribute and state names the calls read, interned once for the process. Made first by
+// report_sync() (where a failure may raise), so a call never meets an unmade one.
+struct ReportNames {
+  PyObject *tallies, *counts, *started, *reading, *slugs, *calls, *enabled, *group, *rank, *stopped, *kernel, *abort,
+      *labels;
+};
+
 PyObject* interned(const char* name) {
   PyObject* s = PyUnicode_InternFromString(name);
   if (s == nullptr) throw pybind11::error_already_set();
-  return s;  // immortal enough: kept for the process
+  return s;
+}
+
+const ReportNames& names() {
+  static const ReportNames made{interned("_tallies"), interned("counts"), interned("_started"), interned("_reading"),
+                                interned("_slugs"), interned("_calls"), interned("enabled"), interned("_tp_group"),
+                                interned("rank_in_group"), interned("_stopped"), interned("_kernel"), interned("_abort"),
+                                interned("_labels")};
+  return made;
 }
 
 // The state entry `name` (borrowed), nullptr where absent.
@@ -347,15 +363,14 @@ PyObject* state_of(const ReportSync& r, PyObject* name) {
 // The device's counter tensor from divergence._tallies (keyed by device index), a new
 // reference, or nullptr.
 PyObject* counts_of(const ReportSync& r, int64_t device) {
-  static PyObject *tallies = interned("_tallies"), *counts = interned("counts");
-  PyObject* table = state_of(r, tallies);
+  PyObject* table = state_of(r, names().tallies);
   if (table == nullptr || !PyDict_CheckExact(table)) return nullptr;
   PyObject* key = PyLong_FromLongLong(device);
   if (key == nullptr) return nullptr;
   PyObject* tally = PyDict_GetItemWithError(table, key);
   Py_DECREF(key);
   if (tally == nullptr) return nullptr;
-  PyObject* tensor = PyObject_GetAttr(tally, counts);
+  PyObject* tensor = PyObject_GetAttr(tally, names().counts);
   if (tensor != nullptr && !THPVariable_CheckExact(tensor)) Py_CLEAR(tensor);
   return tensor;
 }
@@ -363,16 +378,15 @@ PyObject* counts_of(const ReportSync& r, int64_t device) {
 // observe's bookkeeping after a counted call: only `_calls += 1` where that is all it would
 // do (not a first call, no read due or in flight); else divergence's `after` does it all.
 PyObject* count_the_call(const ReportSync& r, PyObject* label, PyObject* values) {
-  static PyObject *started = interned("_started"), *reading = interned("_reading"), *slugs = interned("_slugs"),
-                  *calls = interned("_calls");
+  const ReportNames& n = names();
   PyObject* number = PyTuple_GET_ITEM(label, 0);
-  PyObject* total = state_of(r, calls);
-  PyObject* known = state_of(r, slugs);
+  PyObject* total = state_of(r, n.calls);
+  PyObject* known = state_of(r, n.slugs);
   const long long next = total != nullptr && PyLong_CheckExact(total) ? PyLong_AsLongLong(total) + 1 : -1;
-  if (next > 0 && next % r.every != 0 && state_of(r, started) == Py_True && state_of(r, reading) == Py_False &&
+  if (next > 0 && next % r.every != 0 && state_of(r, n.started) == Py_True && state_of(r, n.reading) == Py_False &&
       known != nullptr && PyDict_Contains(known, number) == 1) {
     PyObject* updated = PyLong_FromLongLong(next);
-    const int failed = updated == nullptr ? -1 : PyDict_SetItem(r.state, calls, updated);
+    const int failed = updated == nullptr ? -1 : PyDict_SetItem(r.state, n.calls, updated);
     Py_XDECREF(updated);
     return failed ? nullptr : Py_NewRef(Py_None);
   }
@@ -401,16 +415,16 @@ int count_for(const at::Tensor& mine, const at::Tensor& theirs, const at::Tensor
 
 // The call once the site is labelled and the device's counters exist, as the Python form makes it.
 PyObject* counted_call(const ReportSync& r, PyObject* const* args, PyObject* label, const at::Tensor& counts) {
-  static PyObject *enabled = interned("enabled"), *group = interned("_tp_group"), *rank = interned("rank_in_group");
+  const ReportNames& n = names();
   PyObject *wrapped = args[0], *instance = args[1], *site = PyTuple_GET_ITEM(args[2], 0),
            *values = PyTuple_GET_ITEM(args[2], 1);
   const at::Tensor& mine = THPVariable_Unpack(values);
-  PyObject* on = PyObject_CallMethodOneArg(instance, enabled, site);
+  PyObject* on = PyObject_CallMethodOneArg(instance, n.enabled, site);
   const int broadcasts = on == nullptr ? -1 : PyObject_IsTrue(on);
   Py_XDECREF(on);
   if (broadcasts <= 0) return broadcasts < 0 ? nullptr : PyObject_Call(wrapped, args[2], nullptr);
-  PyObject* tp_group = PyObject_GetAttr(instance, group);
-  PyObject* rank_object = tp_group == nullptr ? nullptr : PyObject_GetAttr(tp_group, rank);
+  PyObject* tp_group = PyObject_GetAttr(instance, n.group);
+  PyObject* rank_object = tp_group == nullptr ? nullptr : PyObject_GetAttr(tp_group, n.rank);
   Py_XDECREF(tp_group);
   const long my_rank = rank_object == nullptr ? -1 : PyLong_AsLong(rank_object);
   Py_XDECREF(rank_object);
@@ -439,8 +453,7 @@ PyObject* counted_call(const ReportSync& r, PyObject* const* args, PyObject* lab
 }
 
 PyObject* report_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  static PyObject *stopped = interned("_stopped"), *kernel = interned("_kernel"), *abort = interned("_abort"),
-                  *labels = interned("_labels");
+  const ReportNames& n = names();
   auto* r = static_cast<ReportSync*>(PyCapsule_GetPointer(self, kReportCapsule));
   if (r == nullptr) return nullptr;
   // the Python form's own reading of the call: sync(site, values), positionally
@@ -448,12 +461,12 @@ PyObject* report_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
                           (args[3] == Py_None || (PyDict_Check(args[3]) && PyDict_GET_SIZE(args[3]) == 0));
   PyObject* values = plain_call ? PyTuple_GET_ITEM(args[2], 1) : nullptr;
   if (values == nullptr || !THPVariable_CheckExact(values) || !THPVariable_Unpack(values).is_cuda() ||
-      !THPVariable_Unpack(values).is_contiguous() || state_of(*r, stopped) != Py_None ||
-      state_of(*r, kernel) != r->library || state_of(*r, abort) != Py_False) {
+      !THPVariable_Unpack(values).is_contiguous() || state_of(*r, n.stopped) != Py_None ||
+      state_of(*r, n.kernel) != r->library || state_of(*r, n.abort) != Py_False) {
     return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(r->slow, args, nargs, nullptr);
   }
   PyObject* label = nullptr;
-  PyObject* table = state_of(*r, labels);
+  PyObject* table = state_of(*r, n.labels);
   PyObject* key = table == nullptr ? nullptr : PyLong_FromVoidPtr(PyTuple_GET_ITEM(args[2], 0));  // id(site)
   if (key != nullptr) {
     label = PyDict_GetItemWithError(table, key);
@@ -473,23 +486,20 @@ PyObject* report_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 
 PyMethodDef kReportMethod = {"report_sync", (PyCFunction)(void (*)(void))report_call, METH_FASTCALL,
                              "around_sync(wrapped, instance, args, kwargs) -> what SpecTpSync.sync returns, counted"};
-
-void drop_report(PyObject* capsule) {
-  delete static_cast<ReportSync*>(PyCapsule_GetPointer(capsule, kReportCapsule));
-}
 }  // namespace
 
 pybind11::object boundary_check(pybind11::dict storages, pybind11::object checked, pybind11::str name) {
   auto* c = new BoundaryCheck{storages.inc_ref().ptr(), checked.inc_ref().ptr(), name.inc_ref().ptr()};
-  return bound_function(c, kCheckCapsule, drop_check, &kCheckMethod);
+  return bound_function(c, kCheckCapsule, &kCheckMethod);
 }
 
 pybind11::object report_sync(pybind11::object slow, pybind11::dict state, pybind11::object library,
                              pybind11::object after, int64_t every) {
   TORCH_CHECK(every > 0, "report_sync: every must be positive");
+  names();  // the names its calls read, made here where a failure may raise
   auto* r = new ReportSync{slow.inc_ref().ptr(), state.inc_ref().ptr(), library.inc_ref().ptr(), after.inc_ref().ptr(),
                            (long)every};
-  return bound_function(r, kReportCapsule, drop_report, &kReportMethod);
+  return bound_function(r, kReportCapsule, &kReportMethod);
 }
 
 pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pybind11::tuple kind_names,
@@ -514,7 +524,7 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
   s->storages.assign(storages.begin(), storages.end());
   s->max_depth = (int)max_depth;
   s->max_values = (long)max_values;
-  return bound_function(s, kScanCapsule, drop_scan, &kScanMethod);
+  return bound_function(s, kScanCapsule, &kScanMethod);
 }
 """
 _SCAN_FUNCTIONS = ["boundary_scan", "boundary_check", "report_sync"]
