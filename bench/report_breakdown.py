@@ -13,11 +13,15 @@ stand-in group (rank 1; its broadcast is one copy launch):
   count_pair        the same for one pair (what a site of one tensor calls)
   observe           divergence.observe(..., settle=True): the fused call and the report's Python
   sync_off          SpecTpSync.sync, the report off (the stand-in broadcast: one launch)
+  floor             the unpatched SpecTpSync.sync into the kept block, then count_pair: the
+                    report's two launches with none of its Python (what no wrapper can go under)
   sync_on           SpecTpSync.sync, the report on (tp_divergence's wrapper, as a rank applies it: its
                     C form, the kernel library's report_sync)
   sync_on_python    the same with the wrapper's Python form alone (divergence.use_c_form(False))
 
-sync_on - sync_off is what the report adds per eager site call (bench/divergence_cost.py's figure).
+sync_on - sync_off is what the report adds per eager site call (bench/divergence_cost.py's figure);
+floor - sync_off is the part of it that is the fused launch. The frames of the pack's one
+sync_on call makes are printed first (the C form: only its dispatcher and report_sync).
 """
 
 from __future__ import annotations
@@ -37,6 +41,22 @@ from divergence_cost import StandInGroup, switch  # noqa: E402
 from fence_cost import host_us as per_call  # noqa: E402
 from sglang_dsv41_adapters.folded_fence import accept_snapshot  # noqa: E402
 from sglang_dsv41_adapters.tp_divergence import divergence  # noqa: E402
+
+
+def pack_frames(call) -> list:
+    """The pack's Python frames and the C functions they call during call()."""
+    seen = []
+
+    def note(frame, event, arg):
+        if frame.f_globals.get("__name__", "").startswith("sglang_dsv41_adapters"):
+            seen.append(frame.f_code.co_name + (f"->{arg.__name__}" if event == "c_call" else ""))
+
+    sys.setprofile(note)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
 
 
 def main(argv=None) -> int:
@@ -61,7 +81,11 @@ def main(argv=None) -> int:
     switch("on")
     number, slug = divergence.label(S.DSPARK_TARGET)
     tp_sync.sync(S.DSPARK_TARGET, values)  # the counters, the decisions (said once) before the clock
+    tp_sync.sync(S.DSPARK_TARGET, values)  # binds the C form
     counts = next(iter(divergence._tallies.values())).counts
+    unpatched = SpecTpSync.sync.__wrapped__  # the engine's own sync, under tp_divergence's wrapper
+    block = kernel.receive(values)
+    print("the pack's frames in one eager sync call:", ", ".join(pack_frames(lambda: tp_sync.sync(S.DSPARK_TARGET, values))))
     pieces = {
         "empty_launch": kernel.empty_launch,
         "new_empty": lambda: values.new_empty(values.shape),
@@ -69,6 +93,8 @@ def main(argv=None) -> int:
         "count_divergence": lambda: kernel.count_divergence((values,), (received,), counts, number, True),
         "count_pair": lambda: kernel.count_pair(values, received, counts, number, True),
         "observe": lambda: divergence.observe(number, slug, (values,), (received,), 1 << 40, settle=True),
+        "floor": lambda: (unpatched(tp_sync, S.DSPARK_TARGET, block),
+                          kernel.count_pair(values, block, counts, number, True)),
         "sync_on": lambda: tp_sync.sync(S.DSPARK_TARGET, values),
     }
     times = {name: [] for name in (*pieces, "sync_on_python", "sync_off")}
@@ -85,7 +111,7 @@ def main(argv=None) -> int:
           f"{torch.cuda.get_device_name()})")
     for name, runs in times.items():
         print(f"{name:<18}{statistics.median(runs):>8.2f}")
-    for name in ("sync_on", "sync_on_python"):
+    for name in ("sync_on", "sync_on_python", "floor"):
         print(f"{name + ' - off':<22}{statistics.median(times[name]) - statistics.median(times['sync_off']):>8.2f}")
     return 0
 

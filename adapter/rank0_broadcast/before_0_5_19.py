@@ -13,6 +13,7 @@ from dataclasses import replace
 import wrapt
 
 from ..engine import census
+from ..engine import parallel_groups
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, Refused
 from ..framework.plan import Hook, Plan, check_hook, combine
 from ..spectpsync import broadcast as pack
@@ -279,5 +280,6 @@ def plan(engine, modules: dict, sites: frozenset, memory_off: str) -> Plan:
     plans = [_module_plan(Contract(NAME, module), patchable) for name, module in modules.items()]
     plan = combine(NAME, engine.version, plans)
     _census(engine, patchable)
-    plan.detail = f"rank-0 broadcast at {labels(patchable)} via {plan.detail}{note}"
+    groups = parallel_groups.check(NAME, engine)  # what resolve_group reads at each worker's __init__
+    plan.detail = f"rank-0 broadcast at {labels(patchable)} via {plan.detail}{note}; the groups: {groups}"
     return plan

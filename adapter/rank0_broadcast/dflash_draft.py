@@ -43,6 +43,7 @@ import functools
 import textwrap
 
 from ..engine import syntax
+from ..engine import parallel_groups
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
 from ..framework.plan import Hook, Patch, Plan, check_hook
 from ..spectpsync import broadcast as pack
@@ -251,5 +252,8 @@ def plan(engine, modules: dict, recorded: bool, engine_sync: bool) -> Plan:
             if hook.binding in path.callers:
                 contract.only_used_in(hook.binding.rpartition(".")[2], path.callers[hook.binding], attribute=True)
     judged = ", ".join(p.name for p in paths)
+    # the group _record_group resolves, where this plan records it
+    groups = "" if recorded or engine_sync else f"; the groups: {parallel_groups.check(NAME, engine)}"
     return Plan("applied", f"{SITE.label} (the pack's own site) at {', '.join(p.where for p in patches)}: "
-                           f"DFlash greedy draft paths {judged} (the captured plain head all-gathers: TP-safe)", patches)
+                           f"DFlash greedy draft paths {judged} (the captured plain head all-gathers: TP-safe)"
+                           f"{groups}", patches)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 
+from ..engine import parallel_groups
 from ..engine.contract import POSITIONAL, Contract, target_modules
 from ..framework.plan import Patch, Plan
 from ..spectpsync.sites import Site
@@ -70,6 +71,7 @@ SHOWN = {
 }
 
 _replayed = None  # (graph runner, key size) of the last execute
+_get_parallel = None  # the engine's runtime_context.get_parallel, imported at the first compared step
 
 
 def _forward_batch(forward_batch, *args, **kwargs):
@@ -90,10 +92,11 @@ def batch_group():
     arguments: 0.5.23 resolves --enable-dp-attention into attn_dp_size and leaves
     enable_dp_attention false. With attention context parallelism and no DP attention the
     attention-TP group is narrower too: the compare then covers fewer ranks, never ranks that
-    run another batch."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
+    run another batch. Both names are shown at plan time (engine.parallel_groups)."""
+    global _get_parallel
+    if _get_parallel is None:
+        from sglang.srt.runtime_context import get_parallel as _get_parallel
+    parallel = _get_parallel()
     attention = parallel.attn_tp_group
     return attention if attention.world_size < parallel.tp_group.world_size else parallel.tp_group
 
@@ -138,7 +141,8 @@ def plan(engine, every: int, abort: bool = False) -> Plan:
                                               "every rank takes")
     detail = (f"compares {SITE.label} (the decode graph key a target forward replays, {EAGER} for eager) after "
               f"{MODEL_RUNNER}.{FORWARD} at every forward that takes the decode graph decision, over the ranks that "
-              "run one batch (attention-TP under DP attention, else TP): one int64 broadcast per decode step")
+              "run one batch (attention-TP under DP attention, else TP): one int64 broadcast per decode step; "
+              f"the groups: {parallel_groups.check(NAME, engine)}")
     compare = functools.partial(compare_forward, every, batch_group, abort=abort)
     return Plan("applied", detail, [Patch(runner.attr("ModelRunner"), "_forward_raw", compare),
                                     Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)])
