@@ -307,8 +307,9 @@ def test_the_c_form_serves_eager_calls_with_no_python_of_the_packs(report_on):
 @needs_kernel
 def test_a_receiving_rank_receives_into_one_kept_block_per_stream_fresh_under_capture():
     """The report's receive tensor: eagerly one block per stream, kept from call to call and
-    grown as needed (the stream orders each call's read before the next call's broadcast);
-    inside graph capture a fresh tensor each call, never the eager block."""
+    grown as needed (the stream orders each call's read before the next call's broadcast); a
+    call like the stream's last gets the same tensor back; inside graph capture a fresh tensor
+    each call, never the eager block."""
     kernel = accept_snapshot.probed_extension()
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     like = torch.arange(BS, device="cuda")
@@ -317,7 +318,9 @@ def test_a_receiving_rank_receives_into_one_kept_block_per_stream_fresh_under_ca
     assert (small.shape, small.dtype) == ((7,), torch.int32) and storage(small) == storage(first)
     grown = kernel.receive(torch.zeros(4 * BS, 3, device="cuda"))
     assert grown.shape == (4 * BS, 3) and grown.untyped_storage().nbytes() >= 4 * BS * 3 * 4
-    assert storage(kernel.receive(like)) == storage(grown)
+    again = kernel.receive(like)
+    assert storage(again) == storage(grown) and kernel.receive(like) is again  # the last one, not a new tensor
+    assert kernel.receive(like.view(8, BS // 8)) is not again and kernel.receive(like.to(torch.int32)) is not again
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

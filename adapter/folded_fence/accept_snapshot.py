@@ -748,16 +748,21 @@ bool count_pair(const at::Tensor& mine, const at::Tensor& theirs, const at::Tens
 }
 
 namespace {
-// (device, stream id) -> the block the last eager receive on that stream used. Never freed:
-// a static tensor would be freed after the allocator is gone at exit. Callers hold the GIL.
-std::map<std::pair<int64_t, int64_t>, at::Tensor>* receive_blocks = new std::map<std::pair<int64_t, int64_t>, at::Tensor>();
+// An eager receive's block on one stream, and the tensor the last receive returned over it.
+struct Received {
+  at::Tensor block, last;
+};
+// (device, stream id) -> its Received. Never freed: a static tensor would be freed after the
+// allocator is gone at exit. Callers hold the GIL.
+std::map<std::pair<int64_t, int64_t>, Received>* receive_blocks = new std::map<std::pair<int64_t, int64_t>, Received>();
 }  // namespace
 
 // A contiguous tensor of `like`'s shape and dtype on its device, for rank 0's value to be
 // received into and read by the next launch on the same stream. Eagerly one block per
 // (device, stream), kept and grown as needed: a stream runs the next call's broadcast only
-// after this call's read. Under graph capture a fresh tensor from the graph's pool (a
-// replay must not share it with eager calls).
+// after this call's read; a call like the last one on the stream (same dtype and shape)
+// gets the same tensor back, no new one made. Under graph capture a fresh tensor from the
+// graph's pool (a replay must not share it with eager calls).
 at::Tensor receive(const at::Tensor& like) {
   TORCH_CHECK(like.is_cuda(), "receive: a CUDA tensor is needed");
   const auto device = like.device();
@@ -767,14 +772,18 @@ at::Tensor receive(const at::Tensor& like) {
   if (status != cudaStreamCaptureStatusNone) {
     return at::detail::empty_cuda(like.sizes(), like.scalar_type(), device, c10::nullopt);
   }
-  const int64_t bytes = like.numel() * (int64_t)like.element_size();
-  at::Tensor& block = (*receive_blocks)[{device.index(), stream.id()}];
-  if (!block.defined() || block.numel() < bytes) {
-    block = at::detail::empty_cuda({bytes > 16 ? bytes : 16}, at::kByte, device, c10::nullopt);
+  Received& kept = (*receive_blocks)[{device.index(), stream.id()}];
+  if (kept.last.defined() && kept.last.dtype() == like.dtype() && kept.last.sizes().equals(like.sizes())) {
+    return kept.last;
   }
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(), like.dtype());
+  const int64_t bytes = like.numel() * (int64_t)like.element_size();
+  if (!kept.block.defined() || kept.block.numel() < bytes) {
+    kept.block = at::detail::empty_cuda({bytes > 16 ? bytes : 16}, at::kByte, device, c10::nullopt);
+  }
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(kept.block.storage()), kept.block.key_set(), like.dtype());
   impl->set_sizes_contiguous(like.sizes());
-  return at::Tensor(std::move(impl));
+  kept.last = at::Tensor(std::move(impl));
+  return kept.last;
 }
 
 void empty_launch() {
