@@ -134,6 +134,24 @@ def test_cheap_form_hands_out_the_engines_values_and_is_trusted_after_its_proofs
     assert type(outs) is dspark.module.AcceptOuts
 
 
+def test_the_cheap_form_builds_accept_outs_positionally_only_where_that_is_the_same_call(dspark):
+    """0.5.23's AcceptOuts (a msgspec struct) takes its fields positionally, in order: the cheap
+    form builds it so. A kw_only dataclass of the same fields, or fields in another order, is
+    built by keyword."""
+    import dataclasses
+
+    fields = tuple(dspark.module.AcceptOuts.__struct_fields__)
+    assert fence_forms.takes_positionally(dspark.module.AcceptOuts, fields)
+    values = [object() for _ in fields]
+    assert dspark.module.AcceptOuts(*values) == dspark.module.AcceptOuts(**dict(zip(fields, values)))
+    keyword_only = dataclasses.make_dataclass("Outs", fields, kw_only=True)
+    assert not fence_forms.takes_positionally(keyword_only, fields)
+    assert not fence_forms.takes_positionally(dspark.module.AcceptOuts, fields[::-1])
+    decision, _ = engine_then_fence(dspark, folded_call(dspark))
+    form = folded_form(decision)
+    assert form.positional and form.trusted == {BS}
+
+
 def test_an_epilogue_subclass_that_changes_nothing_keeps_the_cheap_form(dspark):
     plain = type("PlainEpilogue", (dspark.module.DsparkVerifyEpilogue,), {})
     dspark.epilogue.__class__ = plain  # its class changes: proven again, and passes

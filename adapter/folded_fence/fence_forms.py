@@ -81,6 +81,9 @@ class CheapForm:
     def __init__(self, fields: tuple, buffers: tuple, notes: bool, accept_outs: type, folded, read):
         self.fields, self.buffers = fields, operator.attrgetter(*buffers)
         self.notes, self.accept_outs = notes, accept_outs
+        # Built from the copies positionally where AcceptOuts takes exactly its fields so (a
+        # struct or dataclass without kw_only): no dict per call, about 1 us less on a CPU.
+        self.positional = takes_positionally(accept_outs, fields)
         self.folded, self.read = folded, read
         self.read_globals = read.__globals__  # where read_accept finds AcceptOuts at each call
         self.views: dict = {}      # bs -> (the buffer objects, their [:bs] views)
@@ -99,7 +102,8 @@ class CheapForm:
                     and all(map(operator.is_, buffers, self.buffers(epilogue)))):
                 if self.notes:
                     epilogue.note_static_verify(bs)
-                return self.accept_outs(**dict(zip(self.fields, accept_snapshot.snapshot(views))))
+                copies = accept_snapshot.snapshot(views)
+                return self.accept_outs(*copies) if self.positional else self.accept_outs(**dict(zip(self.fields, copies)))
         return self._engine_path(wrapped, instance, args, kwargs)
 
     def _views(self, epilogue, bs: int) -> list:
@@ -158,6 +162,16 @@ class CheapForm:
             if not same_view(getattr(result, name), view):
                 return f"the engine's {name} is not the view the cheap form copies"
         return None
+
+
+def takes_positionally(cls, fields: tuple) -> bool:
+    """cls(*values) is cls(**dict(zip(fields, values))): its signature is exactly `fields`, in
+    order, each positional-or-keyword."""
+    try:
+        params = tuple(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return tuple(p.name for p in params) == tuple(fields) and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
 
 
 def traced(wrapped, args, kwargs) -> tuple[list, object]:
