@@ -80,7 +80,8 @@ def check(adapter: str, engine) -> str:
     installer = context.function_source(INSTALLER)
     if INSTALLS not in installer or "Derived" not in context.function_source("_derived_widths"):
         raise context.refuse(INSTALLER, f"no longer reads `{INSTALLS}` over Parallel's Derived declarations")
-    if not any(f.function == "<module>" for f in context.calls(INSTALLER, method=False)):
+    called = (node.value for node in parse(context.source()).body if isinstance(node, ast.Expr))  # module level
+    if not any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == INSTALLER for c in called):
         raise context.refuse(INSTALLER, "is no longer called when the module is imported")
     modules = target_modules(adapter, engine, ((FIELDS, True), (PARALLEL_STATE, True)))
     fields, state = Contract(adapter, modules[FIELDS]), Contract(adapter, modules[PARALLEL_STATE])
