@@ -51,7 +51,9 @@ SOURCE_FILES = ["srt/environ.py", "srt/distributed/parallel_state.py", "srt/util
                 # tp_divergence's watchdog dump: the watchdog, and the scheduler's that passes dump_info
                 "srt/utils/watchdog.py", "srt/managers/scheduler_components/invariant_checker.py",
                 # its site 30: the model runner's forward and the decode graph runner
-                "srt/model_executor/model_runner.py", "srt/model_executor/runner/decode_cuda_graph_runner.py"]
+                "srt/model_executor/model_runner.py", "srt/model_executor/runner/decode_cuda_graph_runner.py",
+                # and the groups it reads from the runtime context (engine/parallel_groups.py)
+                "srt/runtime_context.py", "srt/arg_groups/fields/parallel.py"]
 MINIMAX = "sglang.srt.arg_groups.model_overrides.minimax_m3"
 
 
