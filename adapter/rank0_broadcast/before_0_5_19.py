@@ -12,8 +12,7 @@ from dataclasses import replace
 
 import wrapt
 
-from ..engine import census
-from ..engine import parallel_groups
+from ..engine import census, parallel_groups
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, Refused
 from ..framework.plan import Hook, Plan, check_hook, combine
 from ..spectpsync import broadcast as pack

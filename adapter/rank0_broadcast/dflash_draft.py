@@ -42,8 +42,7 @@ import ast
 import functools
 import textwrap
 
-from ..engine import syntax
-from ..engine import parallel_groups
+from ..engine import parallel_groups, syntax
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
 from ..framework.plan import Hook, Patch, Plan, check_hook
 from ..spectpsync import broadcast as pack
