@@ -29,6 +29,17 @@ class Refused(Exception):
         super().__init__(f"{adapter} refused on sglang {self.version}: {symbol}: {problem}")
 
 
+class Undecided(Exception):
+    """What a verdict rests on cannot be shown where it is asked (a release read from its
+    sources whose class cannot run in this interpreter): the ranks decide it at launch,
+    where the engine is imported. Never a pass and never a refusal."""
+
+    def __init__(self, adapter: str, symbol: str, problem: str, version: Optional[str] = None):
+        self.adapter, self.symbol, self.problem = adapter, symbol, problem
+        self.version = version or engine_version()
+        super().__init__(f"{adapter} decided at launch on sglang {self.version}: {symbol}: {problem}")
+
+
 
 
 class Contract:

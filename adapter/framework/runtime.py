@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from .. import ADAPTERS, load
-from ..engine.contract import Refused
+from ..engine.contract import Refused, Undecided
 from ..engine.installed import InstalledEngine
 from ..engine.source_engine import UNRELEASED, released
 from . import audit, delivery, log, metrics, patching
@@ -40,9 +40,12 @@ class State(enum.StrEnum):
     APPLIED = "applied"
     SUPERSEDED = "superseded"
     REFUSED = "refused"
+    # doctor --engine on sources only: what the verdict rests on runs only where the engine
+    # is imported; each rank decides it at launch (never a pass, never a refusal)
+    AT_LAUNCH = "decided at launch"
 
 
-OFF, APPLIED, SUPERSEDED, REFUSED = State
+OFF, APPLIED, SUPERSEDED, REFUSED, AT_LAUNCH = State
 
 # The pack's own switches besides the adapters' flags. DSV41_ADAPTERS=off (or 0, false,
 # none, any case, as every flag): nothing is decided or applied anywhere (the rollback);
@@ -202,6 +205,8 @@ def _check(adapter: Surface, engine, setting, context: Context) -> tuple[str, st
         plan = adapter.check(engine, setting, context)
     except Refused as exc:
         return REFUSED, str(exc), None
+    except Undecided as exc:
+        return AT_LAUNCH, str(exc), None
     except Exception as exc:  # a check that cannot run is no pass: fail closed, say why
         return REFUSED, f"{adapter.name} refused on sglang {engine.version}: check failed: {type(exc).__name__}: {exc}", None
     return State(plan.state), plan.detail, plan
@@ -267,7 +272,8 @@ def engine_check(adapter: Surface, engine=None, topology: Optional[Topology] = N
     setting = adapter.parse({adapter.flag: adapter.check_value})
     # An adapter that works on another's changes (check_with) is judged with those on.
     settings = {name: load(name).parse({load(name).flag: value}) for name, value in adapter.check_with.items()}
-    context = context_for(adapter, {}, settings, {}, topology)
+    # no engine switch set; the adapter's own flag as it is judged (a hand-over reads its words)
+    context = context_for(adapter, {adapter.flag: adapter.check_value}, settings, {}, topology)
     state, reason, _ = _check(adapter, engine, setting, context)
     return state, reason
 

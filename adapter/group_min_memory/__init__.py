@@ -37,12 +37,12 @@ from collections.abc import Mapping
 from typing import Optional
 
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, Refused, target_modules
-from ..framework.flags import FlagError, parse_switch
+from ..framework.flags import parse_switch
 from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Patch, Plan, combine
 from ..framework.surface import HANDOVER, Surface
 from ..spectpsync import upstream_sync
-from ..spectpsync.sites import MEMORY, labels, parse_value
+from ..spectpsync.sites import MEMORY, labels
 
 NAME = "group_min_memory"
 FLAG = "DSV41_GROUP_MIN_MEM"
@@ -95,12 +95,12 @@ def _bound(wrapped, args, kwargs) -> dict:
     return inspect.signature(wrapped).bind(*args, **kwargs).arguments
 
 
-def _engine_choice(value: str):
-    """The sites a literal the engine sets selects (the pack's grammar, upstream's 0.5.22+);
-    None where it cannot be read."""
+def _engine_choice(contract, value: str):
+    """The sites a literal the engine sets selects, by the engine's own parser; None where
+    it cannot be read."""
     try:
-        return frozenset(int(s) for s in parse_value(ast.literal_eval(value)))
-    except (ValueError, SyntaxError, FlagError):
+        return upstream_sync.engine_parse(contract, ast.literal_eval(value))
+    except (ValueError, SyntaxError, Refused):
         return None
 
 
@@ -114,7 +114,7 @@ def check_upstream(engine, module, context) -> Plan:
     what, selected = upstream_sync.selected(contract, context, engine)
     choices = [(what, selected)]
     if upstream_sync.run_value(context) is None:  # what the engine may set itself where unset
-        choices += [(f"{upstream_sync.ENGINE_FLAG}={value} (set by the engine at {where})", _engine_choice(value))
+        choices += [(f"{upstream_sync.ENGINE_FLAG}={value} (set by the engine at {where})", _engine_choice(contract, value))
                     for where, value in upstream_sync.engine_writes(engine)]
     for said, chosen in choices:
         missing = frozenset(s for s in MEMORY if chosen is None or int(s) not in chosen)
@@ -126,14 +126,14 @@ def check_upstream(engine, module, context) -> Plan:
                 f"switch {FLAG} off")
     where = upstream_sync.judged_for(context.topology)
     try:
-        shown = upstream_sync.prove_probe(contract, engine, upstream_sync.run_value(context))
+        shown, reach = upstream_sync.probe_reach(contract, engine, upstream_sync.run_value(context))
         groups = upstream_sync.worker_groups(contract, engine)
-        why_not = upstream_sync.memory_reached(context.topology, groups)
+        why_not = upstream_sync.memory_reached(context.topology, groups, reach)
     except Refused as exc:
         why_not = f"{exc.symbol}: {exc.problem}"
     if why_not is None:
         return Plan("superseded", f"the engine reduces the probes to the group minimum itself {where}, shown from its "
-                                  f"source: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}; {what} keeps "
+                                  f"source and by running it: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}; {what} keeps "
                                   f"{labels(MEMORY)} on")
     helper = upstream_sync.prove_helper(contract, engine)  # what the pack's probe calls
     owner = contract.attr(upstream_sync.CLASS)

@@ -27,7 +27,7 @@ from ..engine.contract import Contract, Refused, target_modules
 from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Plan
 from ..framework.surface import SETTING, Surface
-from ..spectpsync import upstream_sync
+from ..spectpsync import handover, upstream_sync
 from ..framework.plan import combine
 from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector
 
@@ -63,41 +63,45 @@ def _memory_off(context) -> str:
 def _memory_unreached(contract, engine, run_with, topology, groups):
     """Why the engine's own probe is not shown to reduce the memory sites (None: shown)."""
     try:
-        upstream_sync.prove_probe(contract, engine, run_with)
+        _, reach = upstream_sync.probe_reach(contract, engine, run_with)
     except Refused as exc:
         return f"{exc.symbol}: {exc.problem}"
-    return upstream_sync.memory_reached(topology, groups)
+    return upstream_sync.memory_reached(topology, groups, reach)
 
 
 def _handover(engine, module, sites: frozenset, context) -> Plan:
     """0.5.19+: the engine's SpecTpSync does the job where it is shown to, for the
-    deployment's topology; the selection is handed to SGLANG_SPEC_TP_SYNC."""
+    deployment's topology; the selection is handed to SGLANG_SPEC_TP_SYNC in the engine's
+    own grammar (spectpsync.handover), keeping every site the engine would keep under it."""
     contract = Contract(NAME, module)
     _no_collision(contract)
-    mapped = upstream_sync.to_engine(contract, sites)
-    value = ",".join(str(n) for n in sorted(mapped)) or "none"
+    raw = context.environ.get(FLAG) or _numbers(int(s) for s in sites)
+    value = handover.value(contract, raw, FLAG)
+    mapped = upstream_sync.selection(contract, value)
     theirs = context.environ.get(upstream_sync.ENGINE_FLAG)
     if theirs is not None:
-        their_sites = upstream_sync.parse_user_value(contract, theirs)
+        their_sites = upstream_sync.selection(contract, theirs)
         if their_sites != mapped:
             raise contract.refuse(
                 upstream_sync.ENGINE_FLAG,
-                f"={theirs!r} selects sites {_numbers(their_sites)} but {FLAG}={context.environ.get(FLAG)!r} selects "
-                f"{_numbers(mapped)}; set one of them or make them agree")
-    shown = upstream_sync.prove_broadcast(contract, engine, value if theirs is None else theirs)
+                f"={theirs!r} selects sites {_numbers(their_sites)} but {FLAG}={raw!r} selects "
+                f"{_numbers(mapped)} on this engine; set one of them or make them agree")
+    run_with = value if theirs is None else theirs
+    shown = upstream_sync.prove_broadcast(contract, engine, run_with)
     groups = upstream_sync.worker_groups(contract, engine)
     topology, memory = context.topology, sites & MEMORY
     where = upstream_sync.judged_for(topology)
-    unreached = _memory_unreached(contract, engine, value if theirs is None else theirs, topology, groups) \
-        if memory else None
+    unreached = _memory_unreached(contract, engine, run_with, topology, groups) if memory else None
     if unreached and not sites - MEMORY:
         raise contract.refuse(CLASS, f"{FLAG} selects only {labels(memory)}, whose probes the engine is not shown to "
                                      f"reduce {where}: {unreached}; unset {FLAG} and switch on DSV41_GROUP_MIN_MEM=1, "
                                      "which makes those probes the group minimum")
     alone = topology is not None and topology.batch_group_size == 1
+    unknown = handover.unknown_sites(contract, mapped)
     detail = (f"{module.__name__}.{CLASS} broadcasts these decisions itself {where}"
               + (" (one rank runs each batch there: nothing to broadcast)" if alone else "")
-              + f", shown from its source: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}"
+              + f", shown from its source and by running it: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}"
+              + (f"; sites the pack does not know, kept on: {', '.join(unknown)}" if unknown else "")
               + (f"; sites {labels(memory)} are not shown to be reduced there ({unreached}): DSV41_GROUP_MIN_MEM "
                  f"serves them{_memory_off(context)}" if unreached else ""))
     handed = f"{FLAG} handed to {upstream_sync.ENGINE_FLAG}"

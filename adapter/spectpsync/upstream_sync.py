@@ -34,23 +34,21 @@ from __future__ import annotations
 
 import ast
 import bisect
-import contextlib
 import functools
-import inspect
-import logging
+import json
 import os
 import types
 from typing import Optional
 
 from ..engine import census
 from ..engine import syntax
-from ..engine.contract import POSITIONAL, Contract, Refused
-from ..engine.installed import from_source, sibling
-from .sites import MEMORY, Site, parse_numbers
+from ..engine.contract import Contract, Refused, Undecided
+from ..engine.installed import from_source, version_of
+from . import behaviour
+from .sites import MEMORY, Site
 
 MODULE = "sglang.srt.speculative.spec_tp_sync"
 ENGINE_FLAG = "SGLANG_SPEC_TP_SYNC"
-DEFAULT_SOURCE = 'SGLANG_SPEC_TP_SYNC = EnvStr("all")'
 CLASS = "SpecTpSync"
 ENVIRON = "sglang.srt.environ"
 PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
@@ -61,6 +59,7 @@ SPECULATIVE_HOOK = "sglang.srt.arg_groups.speculative_hook"
 WORKERS = {"sglang.srt.speculative.dspark_components.dspark_worker_v2": "DSparkWorkerV2",
            "sglang.srt.speculative.dflash_worker_v2": "DFlashWorkerV2"}
 BATCH, TP = "batch", "tp"  # the group a worker builds its SpecTpSync over (worker_groups)
+EVERY, BATCH_ONLY = "every layout", "where a batch runs on several ranks"  # how far the engine's probe reaches
 
 
 # ---------------------------------------------------------------- sites and selection
@@ -93,18 +92,19 @@ def to_engine(contract: Contract, sites) -> frozenset[int]:
     return frozenset(mapped)
 
 
+def engine_parse(contract: Contract, raw: str) -> frozenset[int]:
+    """The sites `raw` selects by the engine's own parse_spec_tp_sync (its grammar and
+    presets changed across releases and will again: only the release can say); Refused
+    naming the engine's error where it cannot parse it."""
+    seen = observed(contract, [raw])[raw]
+    if seen["parse_error"]:
+        raise contract.refuse(ENGINE_FLAG, f"the engine cannot parse {raw!r}: {seen['parse_error']}")
+    return frozenset(seen["parse"])
+
+
 def parse_user_value(contract: Contract, raw: str) -> frozenset[int]:
-    """The sites a value the user set selects, by the engine's own parser: the grammar
-    changed across releases, so only the release itself can say."""
-    parse = contract.params("parse_spec_tp_sync", {"spec": POSITIONAL})
-    if from_source(contract.module):
-        raise contract.refuse(ENGINE_FLAG, f"={raw!r} is set; judging it needs the engine's own parser: "
-                                           "run doctor on the installed engine")
-    try:
-        with _quiet(contract.module):  # retired tokens log a warning
-            return frozenset(int(s) for s in parse(raw))
-    except ValueError as exc:
-        raise contract.refuse(ENGINE_FLAG, f"the engine cannot parse {raw!r}: {exc}")
+    """The sites a value the user set selects, as the engine's class selects them when built."""
+    return selection(contract, raw)
 
 
 def run_value(context) -> Optional[str]:
@@ -114,21 +114,82 @@ def run_value(context) -> Optional[str]:
 
 def selected(contract: Contract, context, engine=None) -> tuple[str, frozenset[int]]:
     """(what selects, the engine's site numbers) the engine's processes will run with:
-    the pack's hand-over, else the user's value, else the release's default (and, with
-    `engine`, where the engine sets the switch itself when it is unset)."""
+    the pack's hand-over, else the user's value, else the class's own default (and, with
+    `engine`, where the engine sets the switch itself when it is unset), each as the
+    engine's class selects when built under it."""
     handed = context.handed.get(ENGINE_FLAG)
-    if handed is not None:  # written by the pack itself: bare numbers
+    if handed is not None:
         source = f"DSV41_SPEC_TP_SYNC={context.environ.get('DSV41_SPEC_TP_SYNC')!r}"
-        return f"{ENGINE_FLAG}={handed!r} (handed over from {source})", parse_numbers(handed)
+        return f"{ENGINE_FLAG}={handed!r} (handed over from {source})", selection(contract, handed)
     raw = context.environ.get(ENGINE_FLAG)
     if raw is not None:
-        return f"{ENGINE_FLAG}={raw!r}", parse_user_value(contract, raw)
-    environ_module = Contract(contract.adapter, sibling(contract.module, ENVIRON))
-    if DEFAULT_SOURCE not in environ_module.source():
-        raise contract.refuse(f"{ENVIRON}:{ENGINE_FLAG}", "its default is no longer 'all'")
+        return f"{ENGINE_FLAG}={raw!r}", selection(contract, raw)
     own = "".join(f"; the engine sets {value} itself where it is unset ({where})"
                   for where, value in (engine_writes(engine) if engine is not None else ()))
-    return f"{ENGINE_FLAG} unset (default 'all'{own})", frozenset(engine_sites(contract).values())
+    return f"{ENGINE_FLAG} unset (the class's own default{own})", selection(contract, None)
+
+
+# ---------------------------------------------------------------- the class as it behaves
+
+
+_OBSERVED: dict = {}  # (the installed class and its functions, value) -> its observation
+
+
+def observed(contract: Contract, values) -> dict:
+    """value -> what the engine's SpecTpSync does built under it (spectpsync.behaviour): the
+    installed class run here, the pack's own wrappers looked through; a tree's in a child
+    interpreter. Undecided where the tree's class cannot run here."""
+    module, values = contract.module, list(dict.fromkeys(values))
+    if from_source(module):
+        try:
+            found = behaviour.observe_tree(str(module.__engine__.root), values)["values"]
+        except behaviour.Unobservable as exc:
+            raise Undecided(contract.adapter, f"{contract.name}:{CLASS}",
+                            f"its class cannot be run from these sources in this interpreter ({exc}); each rank "
+                            "runs it at launch", version_of(module)) from None
+        return {value: found[json.dumps(value)] for value in values}
+    cls = contract.attr(CLASS)
+    originals = {name: _own(cls, name) for name in vars(cls)}
+    key = (id(module), id(cls), tuple(sorted((name, id(value)) for name, value in originals.items())))
+    missing = [value for value in values if (key, value) not in _OBSERVED]
+    if missing:
+        found = behaviour.observe_module(module, missing, originals)["values"]
+        _OBSERVED.update({(key, value): found[json.dumps(value)] for value in missing})
+    return {value: _OBSERVED[(key, value)] for value in values}
+
+
+def reset() -> None:
+    """Forget what was observed of installed classes and which sources were shown (tests)."""
+    _OBSERVED.clear()
+    _SHOWN.clear()
+
+
+def _said(value: Optional[str]) -> str:
+    return f"{ENGINE_FLAG} unset" if value is None else f"{ENGINE_FLAG}={value!r}"
+
+
+def _seen(contract: Contract, value: Optional[str], part: str = "") -> dict:
+    """The observation under `value`, refused where the class is not shown to select by the
+    variable or (`part`: "sync" or "probe") where that part misbehaved."""
+    seen = observed(contract, [value])[value]
+    if value is not None and seen["parse_error"]:
+        raise contract.refuse(ENGINE_FLAG, f"the engine cannot parse {value!r}: {seen['parse_error']}")
+    if seen["built_error"]:
+        raise contract.refuse(CLASS, f"built with {_said(value)} it raises {seen['built_error']}")
+    problems = seen["problems"] + (seen[f"{part}_problems"] if part else [])
+    if problems:
+        raise contract.refuse(CLASS, f"run against its own code ({_said(value)}): {problems[0]}")
+    chosen = seen["selected"]["2"]
+    if value is not None and chosen != seen["parse"]:
+        raise contract.refuse(CLASS, f"built with {_said(value)} over two ranks it selects {chosen}, not what its "
+                                     f"parser reads ({seen['parse']}): it does not select by that variable")
+    return seen
+
+
+def selection(contract: Contract, value: Optional[str]) -> frozenset[int]:
+    """The sites the engine's class selects over a group of more than one rank when built
+    with the switch at `value` (None: unset)."""
+    return frozenset(_seen(contract, value)["selected"]["2"])
 
 
 # ---------------------------------------------------------------- the deployment
@@ -145,9 +206,12 @@ def spec_group_ranks(topology, kind: str) -> int:
     return topology.tp_size if kind == TP else topology.batch_group_size
 
 
-def memory_reached(topology, groups: dict) -> Optional[str]:
-    """None when, on `topology`, every worker's SpecTpSync keeps its sites (its group has
-    more than one rank) or nothing is distributed at all (TP 1); else why not."""
+def memory_reached(topology, groups: dict, reach: str = BATCH_ONLY) -> Optional[str]:
+    """None when, on `topology`, the engine's probe reaches the capture group: everywhere
+    (`reach` EVERY), or where every worker's SpecTpSync keeps its sites (its group has more
+    than one rank) or nothing is distributed at all (TP 1); else why not."""
+    if reach == EVERY:
+        return None
     if topology is None:
         return "under DP attention with attention-TP 1 SpecTpSync keeps no site"
     if topology.tp_size == 1:
@@ -256,11 +320,6 @@ def _relevant(text: str, needles: tuple) -> tuple:
 # ---------------------------------------------------------------- the broadcast
 
 
-SITES_KEPT = (f"{CLASS} reads {ENGINE_FLAG} live (envs.{ENGINE_FLAG}.get(), parse_spec_tp_sync) and keeps those "
-              "sites when its group has more than one rank; enabled(site) is membership of them")
-ENV_READS = (f"envs.{ENGINE_FLAG}.get()",)
-
-
 _SHOWN: set = set()  # (proof, the source texts it read) shown in this process
 
 
@@ -270,133 +329,6 @@ def _shown_once(key: tuple, prove) -> None:
     if key not in _SHOWN:
         prove()
         _SHOWN.add(key)
-
-
-def _prove_init(contract: Contract, engine, cls: ast.ClassDef) -> None:
-    """__init__(self, group): keeps the group, reads the switch live, keeps its sites when
-    the group has more than one rank."""
-    _shown_once(("init", contract.source()), lambda: _prove_init_shape(contract, cls))
-    _prove_env_read(contract, engine)
-
-
-def _prove_init_shape(contract: Contract, cls: ast.ClassDef) -> None:
-    init = _method(contract, cls, "__init__")
-    params = _params(init)
-    symbol = f"{CLASS}.__init__"
-    if len(params) != 2:
-        raise contract.refuse(symbol, f"takes {params}, not (self, group)")
-    group = params[1]
-    kept = _stores(cls, "_tp_group", "self")
-    if len(kept) != 1 or _unparsed(kept) != [f"self._tp_group = {group}"]:
-        raise contract.refuse(symbol, f"no longer keeps the group it is built with as its only self._tp_group "
-                                      f"({'; '.join(_unparsed(kept)) or 'never set'})")
-    sites = _stores(cls, "_sites", "self")
-    if len(sites) != 1 or not any(sites[0] is s for s in ast.walk(init)):
-        raise contract.refuse(symbol, "no longer sets self._sites once, in __init__")
-    value = sites[0].value
-    locals_ = {ast.unparse(s.targets[0]): ast.unparse(s.value) for s in _body(init)
-               if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)}
-    kept_when_plural = (isinstance(value, ast.IfExp) and ast.unparse(value.orelse) == "frozenset()"
-                        and ast.unparse(value.test) in (f"{group}.world_size > 1", "self._tp_group.world_size > 1"))
-    if not kept_when_plural:
-        raise contract.refuse(symbol, f"self._sites = {ast.unparse(value)}: its sites are no longer kept exactly when "
-                                      "its group has more than one rank")
-    head = ast.unparse(value.body)
-    assigned = [n for n in ast.walk(init) if isinstance(n, ast.Name) and n.id == head and isinstance(n.ctx, ast.Store)]
-    parsed = locals_.get(head, head) if len(assigned) <= 1 else f"{head}, assigned {len(assigned)} times"
-    reads = [f"parse_spec_tp_sync({read})" for read in ENV_READS]
-    if parsed not in reads:
-        raise contract.refuse(symbol, f"its sites come from {parsed}, not from {ENGINE_FLAG} read live "
-                                      f"(parse_spec_tp_sync(envs.{ENGINE_FLAG}.get()))")
-    _function(contract, "parse_spec_tp_sync")
-
-
-def _prove_env_read(contract: Contract, engine) -> None:
-    """`envs.SGLANG_SPEC_TP_SYNC.get()` reads os.environ[SGLANG_SPEC_TP_SYNC] when called."""
-    environ = _other(contract, engine, ENVIRON)
-    _shown_once(("env read", contract.source(), environ.source()), lambda: _prove_env_read_in(contract, environ))
-
-
-def _prove_env_read_in(contract: Contract, environ: Contract) -> None:
-    imported = [n for n in syntax.parse(contract.source()).body if isinstance(n, ast.ImportFrom) and n.module == ENVIRON
-                and any(a.name == "envs" and a.asname is None for a in n.names)]
-    rebound = [n for n in ast.walk(syntax.parse(contract.source())) if isinstance(n, ast.Name) and n.id == "envs"
-               and isinstance(n.ctx, ast.Store)]
-    if len(imported) != 1 or rebound:
-        raise contract.refuse("envs", f"is not {ENVIRON}.envs, imported once")
-    symbol = f"{ENVIRON}:{ENGINE_FLAG}"
-    tree = syntax.parse(environ.source())
-    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-    declared = [s for s in getattr(classes.get("Envs"), "body", ()) if isinstance(s, ast.Assign)
-                and _unparsed(s.targets) == [ENGINE_FLAG]]
-    if len(declared) != 1 or not ast.unparse(declared[0].value).startswith("EnvStr("):
-        raise contract.refuse(symbol, "is no longer declared once in Envs as an EnvStr")
-    plain = [s for s in tree.body if isinstance(s, ast.Assign) and _unparsed(s.targets) == ["envs"]]
-    if _unparsed(plain) != ["envs = Envs()"] or any(
-            isinstance(s, ast.FunctionDef) and s.name in ("__getattr__", "__getattribute__") for s in classes["Envs"].body):
-        raise contract.refuse(symbol, "envs is no longer a plain Envs()")
-    field, text = classes.get("EnvField"), classes.get("EnvStr")
-    get = next((s for s in getattr(field, "body", ()) if isinstance(s, ast.FunctionDef) and s.name == "get"), None)
-    set_name = next((s for s in getattr(field, "body", ()) if isinstance(s, ast.FunctionDef) and s.name == "__set_name__"), None)
-    reads_live = get is not None and any(ast.unparse(n) in ("os.getenv(self.name)", "os.environ.get(self.name)")
-                                         for n in ast.walk(get))
-    names = set_name is not None and "self.name = name" in _unparsed(ast.walk(set_name))
-    parse = next((s for s in getattr(text, "body", ()) if isinstance(s, ast.FunctionDef) and s.name == "parse"), None)
-    own = (text is not None and _unparsed(text.bases) == ["EnvField"] and parse is not None
-           and _unparsed(_body(parse)) == [f"return {_params(parse)[-1]}"]
-           and not any(isinstance(s, ast.FunctionDef) and s.name == "get" for s in text.body))
-    if not (reads_live and names and own):
-        raise contract.refuse(symbol, "EnvStr.get no longer reads os.environ[<its name>] when called")
-
-
-def _selected_test(test: str, site: str) -> bool:
-    return test in (f"{site} in self._sites", f"self.enabled({site})")
-
-
-def _prove_enabled(contract: Contract, cls: ast.ClassDef) -> None:
-    enabled = _method(contract, cls, "enabled")
-    params = _params(enabled)
-    if len(params) != 2 or _unparsed(_body(enabled)) != [f"return {params[1]} in self._sites"]:
-        raise contract.refuse(f"{CLASS}.enabled", "is no longer `return site in self._sites`")
-
-
-def _prove_sync(contract: Contract, cls: ast.ClassDef) -> None:
-    """sync(self, site, values): if the site is selected, self._tp_group.broadcast(values,
-    src=0), then return values."""
-    sync = _method(contract, cls, "sync")
-    symbol = f"{CLASS}.sync"
-    params = _params(sync)
-    if len(params) != 3:
-        raise contract.refuse(symbol, f"takes {params}, not (self, site, values)")
-    site, values = params[1:]
-    calls = [n for n in ast.walk(sync) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr == "broadcast"]
-    if not calls:
-        raise contract.refuse(symbol, f"no longer broadcasts `{values}`: no rank receives rank 0's value")
-    if len(calls) > 1:
-        raise contract.refuse(symbol, f"broadcasts {len(calls)} times; the checked shape broadcasts once")
-    call = calls[0]
-    receiver = ast.unparse(call.func.value)
-    if receiver != "self._tp_group":
-        raise contract.refuse(symbol, f"broadcasts over {receiver}, not the group it was built with (self._tp_group)")
-    first = ast.unparse(call.args[0]) if call.args else None
-    if first != values:
-        raise contract.refuse(symbol, f"broadcasts {first}, not `{values}` itself: the tensor the caller holds "
-                                      "keeps its own value")
-    src = next((ast.unparse(k.value) for k in call.keywords if k.arg == "src"),
-               ast.unparse(call.args[1]) if len(call.args) > 1 else None)
-    if src != "0":
-        raise contract.refuse(symbol, f"broadcasts from src={src}, not from rank 0")
-    returns = [ast.unparse(r.value) if r.value is not None else "None" for r in ast.walk(sync) if isinstance(r, ast.Return)]
-    if returns != [values]:
-        raise contract.refuse(symbol, f"returns {', '.join(returns) or 'nothing'}, not `{values}`")
-    body = _body(sync)
-    shape = (len(body) == 2 and isinstance(body[0], ast.If) and not body[0].orelse
-             and _selected_test(ast.unparse(body[0].test), site)
-             and _unparsed(body[0].body) in ([ast.unparse(call)], [f"{values} = {ast.unparse(call)}"]))
-    if not shape:
-        raise contract.refuse(symbol, f"is no longer `if {site} in self._sites: self._tp_group.broadcast({values}, "
-                                      f"src=0)` then `return {values}`: {' | '.join(_unparsed(body))}")
 
 
 def _prove_group_broadcast(contract: Contract, engine) -> None:
@@ -541,22 +473,30 @@ def engine_writes(engine) -> tuple:
     return _engine_scan(tuple(sorted(census.files_holding(engine, (CLASS, "tp_sync", ENGINE_FLAG)))))[2]
 
 
+def _numbers(numbers) -> str:
+    return ",".join(str(n) for n in sorted(numbers)) or "none"
+
+
 def prove_broadcast(contract: Contract, engine, run_with: Optional[str] = None) -> list[str]:
     """What shows that SpecTpSync broadcasts rank 0's value into every rank's tensor at the
-    selected sites (module docstring); Refused naming what is not shown. `run_with`: the
-    SGLANG_SPEC_TP_SYNC value the ranks will read (None: unset), for the run-time probe."""
+    sites it selects: from its source, that what runs is the class's own code and that
+    nothing in the engine changes it or drops what it broadcasts; by running it, that over
+    two ranks sync(site, t) broadcasts t itself once from rank 0 and returns it at exactly
+    the sites enabled() selects under `run_with` (the value the ranks will read, None:
+    unset). Refused naming what is not shown."""
     cls = _plain_class(contract, CLASS)
-    _prove_init(contract, engine, cls)
-    _shown_once(("enabled, sync", contract.source()), lambda: (_prove_enabled(contract, cls), _prove_sync(contract, cls)))
     _shown_once(("group broadcast", _other(contract, engine, PARALLEL_STATE).source()),
                 lambda: _prove_group_broadcast(contract, engine))
     callers, _ = _scan(contract, engine)
     if not from_source(contract.module):
         _live(contract, cls)
-        _probe(contract, run_with, "sync")
-    return [SITES_KEPT,
-            "sync(site, values) broadcasts `values` itself, in place, from rank 0 over that group when "
-            "enabled(site) and returns it",
+    seen = _seen(contract, run_with, "sync")
+    chosen, done = seen["selected"]["2"], seen["broadcast"]["2"]
+    if chosen != done:
+        raise contract.refuse(f"{CLASS}.sync", f"broadcasts sites {_numbers(done)} where enabled() selects "
+                                               f"{_numbers(chosen)} ({_said(run_with)})")
+    return [f"its own class, run over a group of two ranks with {_said(run_with)}, selects sites {_numbers(chosen)} and "
+            "its sync(site, t) broadcasts t itself once from rank 0 and returns it at exactly those",
             f"no decorator, subclass or reassignment in the engine; its {callers} callers pass a tensor they hold or "
             "use what sync returns"]
 
@@ -593,52 +533,35 @@ def prove_helper(contract: Contract, engine) -> str:
     return f"{HELPER_HOME}.{HELPER} all_reduces MIN over the cpu_group it is given when distributed"
 
 
-def prove_probe(contract: Contract, engine, run_with: Optional[str] = None) -> list[str]:
-    """What shows that SpecTpSync.available_memory_gb(site, device, gpu_id, group=g) is the
-    minimum over g whenever the site is selected, g has more than one rank and the
-    SpecTpSync's own group has more than one rank; Refused naming what is not shown."""
+def probe_reach(contract: Contract, engine, run_with: Optional[str] = None) -> tuple[list[str], str]:
+    """(what shows it, how far it reaches) for SpecTpSync.available_memory_gb(site, ...,
+    group=g) being the minimum over g at the memory sites selected under `run_with`:
+    BATCH_ONLY where the class reduces only when its own group has more than one rank
+    (0.5.19 - 0.5.23), EVERY where it reduces over a capture group of two whatever its own
+    group (upstream's fix, sgl-project/sglang#39954, recognised by what it does); Refused
+    naming what is not shown."""
     cls = _plain_class(contract, CLASS)
-    _prove_init(contract, engine, cls)
-    _shown_once(("enabled", contract.source()), lambda: _prove_enabled(contract, cls))
-    func = _method(contract, cls, "available_memory_gb")
-    symbol = f"{CLASS}.available_memory_gb"
-    params = _params(func)
-    kwonly = [a.arg for a in func.args.kwonlyargs]
-    if len(params) != 4 or kwonly != ["group"]:
-        raise contract.refuse(symbol, f"takes {params} and {kwonly}, not (self, site, device, gpu_id, *, group)")
-    site, device, gpu_id = params[1:]
-    body = _body(func)
-    calls = [n for n in ast.walk(func) if isinstance(n, ast.Call) and ast.unparse(n.func) == HELPER]
-    if len(calls) != 1 or not isinstance(body[-1], ast.Return) or body[-1].value is not calls[0]:
-        raise contract.refuse(symbol, f"no longer returns what one call of {HELPER} gives")
-    call = calls[0]
-    keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
-    distributed = keywords.get("distributed")
-    locals_ = {ast.unparse(s.targets[0]): ast.unparse(s.value) for s in body[:-1]
-               if isinstance(s, ast.Assign) and len(s.targets) == 1}
-    reduces = locals_.get(distributed, distributed)
-    wanted = [f"{test} and group.world_size > 1" for test in (f"self.enabled({site})", f"{site} in self._sites")]
-    if _unparsed(call.args) != [device, gpu_id] or set(keywords) - {"distributed", "cpu_group"}:
-        raise contract.refuse(symbol, f"calls {ast.unparse(call)}, not {HELPER}({device}, {gpu_id}, distributed=..., "
-                                      "cpu_group=...)")
-    if reduces not in wanted:
-        raise contract.refuse(symbol, f"reduces when {reduces}, not whenever the site is selected and the group it is "
-                                      "given has more than one rank: the probe can stay per rank")
-    if keywords.get("cpu_group") not in ("group.cpu_group", f"group.cpu_group if {distributed} else None"):
-        raise contract.refuse(symbol, f"reduces over {keywords.get('cpu_group')}, not the group its caller passes "
-                                      "(group.cpu_group)")
-    if len(body) != len(locals_) + 1:
-        raise contract.refuse(symbol, f"has statements besides the reduction: {' | '.join(_unparsed(body))}")
-    binding = getattr(contract.module, HELPER, None)
-    if (getattr(binding, "__module__", None), getattr(binding, "__name__", None)) != (HELPER_HOME, HELPER):
-        raise contract.refuse(HELPER, f"is not the engine helper {HELPER_HOME}.{HELPER} ({binding!r})")
     helper = prove_helper(contract, engine)
     _scan(contract, engine)
     if not from_source(contract.module):
         _live(contract, cls)
-        _probe(contract, run_with, "probe")
-    return [SITES_KEPT, f"{symbol}(site, ..., group=g) calls the engine helper with distributed=enabled(site) and "
-                        "g.world_size > 1, cpu_group=g.cpu_group (the group its caller passes)", helper]
+    seen = _seen(contract, run_with, "probe")
+    memory = set(memory_numbers(contract).values()) & set(seen["selected"]["2"])
+    symbol = f"{CLASS}.available_memory_gb"
+    missed = sorted(memory - set(seen["reduced"]["2x2"]))
+    if missed:
+        raise contract.refuse(symbol, f"does not reduce site(s) {_numbers(missed)} over a capture group of two ranks "
+                                      f"although it selects them ({_said(run_with)}): the probe can stay per rank")
+    every = not memory - set(seen["reduced"]["1x2"])
+    how = ("over the capture group it is given whatever its own group, " if every else
+           "over the capture group it is given where its own group has more than one rank (none in a group of one), ")
+    return [f"its own class, run with {_said(run_with)}, reduces sites {_numbers(memory)} {how}through the engine "
+            "helper", helper], (EVERY if every else BATCH_ONLY)
+
+
+def prove_probe(contract: Contract, engine, run_with: Optional[str] = None) -> list[str]:
+    """probe_reach's proof alone."""
+    return probe_reach(contract, engine, run_with)[0]
 
 
 # ---------------------------------------------------------------- the groups
@@ -762,139 +685,6 @@ def _live(contract: Contract, cls_node: ast.ClassDef) -> None:
         elif callable(value) or hasattr(value, "__get__") and not isinstance(value, (str, type(None))):
             if name not in ("__dict__", "__weakref__", "__doc__", "__module__"):
                 raise contract.refuse(f"{CLASS}.{name}", "was added at run time; its source defines no such method")
-
-
-class _RecordingGroup:
-    """A group of `world_size` ranks as SpecTpSync sees it (this process is a rank other than
-    0); `broadcast` records the call and writes rank 0's value, like the real one, in place."""
-
-    RANK0 = 7
-
-    def __init__(self, world_size: int):
-        self.world_size, self.rank_in_group, self.cpu_group = world_size, 1, object()
-        self.calls: list = []
-
-    def broadcast(self, tensor, src=0):
-        self.calls.append((tensor, src))
-        tensor.fill_(self.RANK0)
-        return tensor
-
-
-@contextlib.contextmanager
-def _quiet(module):
-    """The module's logger silenced for the duration (a probe must print nothing)."""
-    logger = logging.getLogger(module.__name__)
-    before = logger.disabled
-    logger.disabled = True
-    try:
-        yield
-    finally:
-        logger.disabled = before
-
-
-@contextlib.contextmanager
-def _presented(value: Optional[str]):
-    """os.environ with SGLANG_SPEC_TP_SYNC = value (None: unset) for the duration."""
-    before = os.environ.get(ENGINE_FLAG)
-    if value is None:
-        os.environ.pop(ENGINE_FLAG, None)
-    else:
-        os.environ[ENGINE_FLAG] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ENGINE_FLAG, None)
-        else:
-            os.environ[ENGINE_FLAG] = before
-
-
-def _probe(contract: Contract, run_with: Optional[str], part: str) -> None:
-    """The installed class run against its own code: built over recording groups of two
-    ranks and of one under each value probed, its `sync` must broadcast exactly the sites
-    that value selects (and none in a group of one), rank 0's value must reach the
-    returned tensor, and available_memory_gb must reduce over the group it is given
-    exactly there. Nothing is patched; os.environ is restored."""
-    import torch
-
-    cls, sites = contract.attr(CLASS), contract.attr("SpecTpSyncSite")
-    methods = {name: _own(cls, name) for name in ("__init__", "enabled", "sync", "available_memory_gb")}
-    numbers = {int(s) for s in sites}
-    probes = {"off": frozenset(), str(min(numbers)): frozenset({min(numbers)})}
-    if run_with is None:
-        probes[None] = frozenset(numbers)
-    else:
-        probes[run_with] = None  # what the engine's own parser makes of it
-    for value, expected in probes.items():
-        key = (id(cls), *map(id, methods.values()), value, part)
-        if key in _PROBED:
-            continue
-        problem = _probe_one(cls, sites, methods, value, expected, torch, part)
-        if problem:
-            raise contract.refuse(CLASS, f"run against its own code with {ENGINE_FLAG}={value!r}: {problem}")
-        _PROBED.add(key)
-
-
-_PROBED: set = set()
-
-
-def reset() -> None:
-    """Forget which engines were run once against their own code and which sources were
-    shown (tests)."""
-    _PROBED.clear()
-    _SHOWN.clear()
-
-
-def _probe_one(cls, sites, methods, value, expected, torch, part: str) -> Optional[str]:
-    """`part`: "sync" (what prove_broadcast claims) or "probe" (what prove_probe claims)."""
-    helper_calls = []
-
-    def helper(device, gpu_id, distributed=False, empty_cache=True, cpu_group=None):
-        helper_calls.append((distributed, cpu_group))
-        return 1.0
-
-    probe = methods["available_memory_gb"]
-    available = types.FunctionType(probe.__code__, {**probe.__globals__, HELPER: helper}, probe.__name__,
-                                   probe.__defaults__, probe.__closure__)
-    available.__kwdefaults__ = probe.__kwdefaults__
-    module = inspect.getmodule(cls)
-    built = {}
-    with _quiet(module), _presented(value):
-        for ranks in (2, 1):
-            group = _RecordingGroup(ranks)
-            instance = cls.__new__(cls)
-            methods["__init__"](instance, group)
-            built[ranks] = (instance, group)
-    if expected is None:
-        with _quiet(module):
-            expected = frozenset(int(s) for s in module.parse_spec_tp_sync(value))
-    for ranks, (instance, group) in built.items():
-        chosen = {int(site) for site in sites if methods["enabled"](instance, site)}
-        want = expected if ranks > 1 else frozenset()
-        if chosen != want:
-            return (f"in a group of {ranks} rank(s) it selects sites {sorted(chosen)}, not {sorted(want)}: it does "
-                    "not select by that variable")
-        for site in sites:
-            if part == "sync":
-                tensor = torch.zeros(2, dtype=torch.int64)
-                returned = methods["sync"](instance, site, tensor)
-                calls, group.calls = group.calls, []
-                if returned is not tensor:
-                    return f"sync({site.name}) returned another tensor than the one it was given"
-                if bool(calls) != (int(site) in chosen):
-                    return f"sync({site.name}) {'broadcast' if calls else 'did not broadcast'} where enabled() says " \
-                           f"{int(site) in chosen}"
-                if calls and (len(calls) != 1 or calls[0][0] is not tensor or calls[0][1] != 0
-                              or not bool((tensor == group.RANK0).all())):
-                    return f"sync({site.name}) did not leave rank 0's value in the tensor it was given"
-            else:
-                del helper_calls[:]
-                available(instance, site, "cpu", 0, group=group)
-                reduce = int(site) in chosen and group.world_size > 1
-                wanted = [(True, group.cpu_group)] if reduce else [(False, None)]
-                if [(bool(d), g if d else None) for d, g in helper_calls] != wanted:
-                    return f"available_memory_gb({site.name}) called the helper as {helper_calls} over a group of {ranks}"
-    return None
 
 
 def memory_numbers(contract: Contract) -> dict:
