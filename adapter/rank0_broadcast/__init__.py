@@ -29,7 +29,7 @@ from ..framework.plan import Plan
 from ..framework.surface import SETTING, Surface
 from ..spectpsync import handover, upstream_sync
 from ..framework.plan import combine
-from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector
+from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector, slug_of
 
 NAME = "rank0_broadcast"
 FLAG = "DSV41_SPEC_TP_SYNC"
@@ -110,6 +110,15 @@ def _handover(engine, module, sites: frozenset, context) -> Plan:
     return Plan("superseded", f"{detail}; {handed} (already set to the same sites)")
 
 
+def _engine_sites_on(module, handed: Plan, context) -> dict:
+    """The engine's sites its switch keeps on under what the hand-over left it (name -> label)."""
+    contract = Contract(NAME, module)
+    value = handed.env.get(upstream_sync.ENGINE_FLAG, context.environ.get(upstream_sync.ENGINE_FLAG))
+    chosen = upstream_sync.selection(contract, value)
+    return {name: f"{number}:{slug_of(name)}" for name, number in upstream_sync.engine_sites(contract).items()
+            if number in chosen}
+
+
 def _no_collision(contract) -> None:
     """The pack's own site numbers and slugs are not the engine's (adapter.spectpsync.sites)."""
     for name, number in upstream_sync.engine_sites(contract).items():
@@ -130,7 +139,8 @@ def check(engine, setting: frozenset, context) -> Plan:
         plans.append(before_0_5_19.plan(engine, modules, upstream, _memory_off(context)))
     if own:
         recorded = any(p.where == "DFlashWorkerV2.__init__" for plan in plans for p in plan.patches)
-        plans.append(dflash_draft.plan(engine, modules, recorded, upstream_sync.MODULE in modules))
+        on = _engine_sites_on(modules[upstream_sync.MODULE], plans[0], context) if upstream_sync.MODULE in modules else {}
+        plans.append(dflash_draft.plan(engine, modules, recorded, upstream_sync.MODULE in modules, on))
     return plans[0] if len(plans) == 1 else combine(NAME, engine.version, plans)
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import ast
 import functools
 import textwrap
+from typing import Optional
 
 from ..engine import parallel_groups, syntax
 from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
@@ -232,27 +233,85 @@ def _check_samplers(contract: Contract, hook: Hook) -> None:
         raise contract.refuse(hook.binding, "no longer writes its block to self.out[:bs * (block_size - 1)]")
 
 
-def plan(engine, modules: dict, recorded: bool, engine_sync: bool) -> Plan:
+def _returned(func: ast.FunctionDef, hook: Hook) -> list:
+    """The values of the hook's block that leave `func`: what each return hands back (its
+    first element for a tuple the block leads), where the pack's wrapper would broadcast."""
+    scope = func
+    if hook.wrapper is _plain_head:  # the rank-local branch only, as the wrapper's own test
+        scope = next((n for n in ast.walk(func) if isinstance(n, ast.If)
+                      and ast.unparse(n.test) == "not hasattr(lm_head, 'shard_indices')"), None)
+        if scope is None:
+            return [None]
+    values = []
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Return) and node.value is not None:
+            value = node.value
+            if hook.wrapper is _returned_first and isinstance(value, ast.Tuple) and value.elts:
+                value = value.elts[0]
+            values.append(value)
+    return values
+
+
+def engine_broadcast(contract: Contract, hook: Hook, on: dict) -> Optional[str]:
+    """The engine site (of `on`: name -> label, the sites the engine's switch keeps on) at
+    which the hooked function broadcasts the block itself through the worker's SpecTpSync,
+    read from its source; None where it is not shown (the pack then broadcasts it)."""
+    func = _parsed(contract, hook.binding).body[0]
+    synced = {}
+    for node in ast.walk(func):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sync"
+                and "tp_sync" in ast.unparse(node.func.value) and len(node.args) == 2
+                and isinstance(node.args[0], ast.Attribute) and node.args[0].attr in on):
+            synced[ast.unparse(node.args[1])] = node.args[0].attr
+    if hook.wrapper is _captured_block:
+        found = [site for value, site in synced.items() if value.startswith("self.out")]
+        return on[found[0]] if found else None
+    values = _returned(func, hook)
+    sites = {synced.get(ast.unparse(v)) if v is not None else None for v in values}
+    if not values or None in sites or len(sites) != 1:
+        return None
+    return on[sites.pop()]
+
+
+def plan(engine, modules: dict, recorded: bool, engine_sync: bool, on: Optional[dict] = None) -> Plan:
     """The site's patches on this release (`modules`: rank0_broadcast's target modules;
     `recorded`: another plan already records the DFlash group in DFlashWorkerV2.__init__;
-    `engine_sync`: the release has SpecTpSync, shown to be built over the batch group)."""
+    `engine_sync`: the release has SpecTpSync, shown to be built over the batch group; `on`:
+    the engine's sites its switch keeps on, name -> label). A path whose every hooked
+    function the engine shows to broadcast its block itself at one of those sites is the
+    engine's (sgl-project/sglang#40246, recognised by what its code does); the rest are the pack's."""
     worker = Contract(NAME, modules[WORKER])
     paths = [p for p in PATHS if p.marker is None or _defined(worker, p.marker)]
     _check_proposals(worker, paths)
     _check_gathered(worker)
-    patches: list[Patch] = [] if recorded else [check_hook(worker, ENGINE_GROUP if engine_sync else RECORDER)]
+    patches: list[Patch] = []
+    engines, ours = [], []
     for path in paths:
+        checked = []
         for hook in path.hooks:
             module = modules.get(hook.module) or target_modules(NAME, engine, ((hook.module, True),))[hook.module]
             contract = worker if hook.module == WORKER else Contract(NAME, module)
-            patches.append(check_hook(contract, hook))
+            checked.append(check_hook(contract, hook))
             if hook.wrapper is _captured_block:
                 _check_samplers(contract, hook)
             if hook.binding in path.callers:
                 contract.only_used_in(hook.binding.rpartition(".")[2], path.callers[hook.binding], attribute=True)
-    judged = ", ".join(p.name for p in paths)
+            checked[-1] = (checked[-1], engine_broadcast(contract, hook, on or {}))
+        sites = {site for _, site in checked}
+        if None not in sites:
+            engines.append(f"{path.name} ({', '.join(sorted(sites))})")
+        else:
+            ours.append(path)
+            patches += [patch for patch, _ in checked]
+    engine_part = f"; the engine broadcasts these paths itself: {', '.join(engines)}" if engines else ""
+    if not ours:
+        return Plan("superseded", f"{SITE.label} (the pack's own site): every DFlash greedy draft path of this release "
+                                  f"is broadcast by the engine itself, shown from its source{engine_part}")
+    if not recorded:
+        patches.insert(0, check_hook(worker, ENGINE_GROUP if engine_sync else RECORDER))
+    judged = ", ".join(p.name for p in ours)
     # the group _record_group resolves, where this plan records it
     groups = "" if recorded or engine_sync else f"; the groups: {parallel_groups.check(NAME, engine)}"
     return Plan("applied", f"{SITE.label} (the pack's own site) at {', '.join(p.where for p in patches)}: "
                            f"DFlash greedy draft paths {judged} (the captured plain head all-gathers: TP-safe)"
-                           f"{groups}", patches)
+                           f"{engine_part}{groups}", patches)

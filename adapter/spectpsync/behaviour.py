@@ -19,7 +19,7 @@ is run, for each value of SGLANG_SPEC_TP_SYNC the ranks may read (None: unset):
 
 The installed engine's class runs in this process, the pack's own wrappers looked
 through; a release read from its sources runs in a child interpreter with its tree first
-on the path, one per tree, kept for the life of this process. Where the class cannot run
+on the path, one per tree content (the files that decide it), kept for the life of this process. Where the class cannot run
 there the observation says why, and the verdicts that rest on it are decided at launch.
 
 This file imports nothing of the pack: the child runs it by path.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -238,27 +239,36 @@ _children: dict = {}
 _answers: dict = {}
 
 
-def _key(tree: str) -> tuple:
-    """A tree as the child would import it: its path and the state of the files that matter."""
-    path = os.path.join(tree, *MODULE.split(".")) + ".py"
-    stamps = []
-    for name in (path, os.path.join(tree, "sglang", "srt", "environ.py"),
-                 os.path.join(tree, "sglang", "srt", "utils", "common.py")):
-        with contextlib.suppress(OSError):
-            info = os.stat(name)
-            stamps.append((name, info.st_mtime_ns, info.st_size))
-    return (os.path.realpath(tree), tuple(stamps))
+# What the class's behaviour can depend on, beside its own module: the switch's reader and the
+# helper's home. Trees whose copies of these are byte for byte the same are observed once.
+_READS = (MODULE.replace(".", "/") + ".py", "sglang/srt/environ.py", "sglang/srt/utils/__init__.py",
+          "sglang/srt/utils/common.py")
+
+
+def _key(tree: str) -> str:
+    """A tree as the child would run its class: the content of the files that decide it."""
+    digest = hashlib.sha256()
+    for name in _READS:
+        try:
+            with open(os.path.join(tree, name), "rb") as handle:
+                digest.update(handle.read())
+        except OSError:
+            digest.update(b"\0missing\0")
+        digest.update(name.encode())
+    return digest.hexdigest()
 
 
 def observe_tree(tree: str, values) -> dict:
-    """The observation of the tree's class for `values`, made in a child interpreter kept
-    per tree (answers kept per value); Unobservable where the class cannot run there."""
+    """The observation of the tree's class for `values`, made in a child interpreter kept per
+    tree; answers kept per content (_key) and value. Unobservable where the class cannot run
+    there."""
     key = _key(tree)
     missing = [v for v in values if (key, json.dumps(v)) not in _answers]
     if missing:
-        child = _children.get(key)
+        place = (os.path.realpath(tree), key)
+        child = _children.get(place)
         if child is None:
-            child = _children[key] = _Child(str(tree))
+            child = _children[place] = _Child(str(tree))
         answer = child.ask(missing)
         for value in missing:
             _answers[(key, json.dumps(value))] = (answer["sites"], answer["values"][json.dumps(value)])
