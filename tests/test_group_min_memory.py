@@ -248,8 +248,9 @@ def test_0_5_23_superseded(no_engine_switch):
     decision = runtime.decide(ON, names=ONLY, topology=TP4)
     outcome = decision.outcomes[0]
     assert outcome.state == runtime.SUPERSEDED, outcome.reason
-    assert "for TP 4, no DP attention, shown from its source" in outcome.reason
-    assert "SpecTpSync.available_memory_gb(site, ..., group=g) calls the engine helper" in outcome.reason
+    assert "for TP 4, no DP attention, shown from its source and by running it" in outcome.reason
+    assert "reduces sites 1,12 over the capture group it is given where its own group has more than one rank" \
+        in outcome.reason
     assert "1:dspark-mem" in outcome.reason and "12:dflash-mem" in outcome.reason
     # both capture gates probe through the engine's own reduction; folded sampling AUTO is gone since 0.5.22
     assert "DSparkWorkerV2.init_cuda_graphs probes through" in outcome.reason and "(DSPARK_MEM)" in outcome.reason
@@ -391,7 +392,8 @@ def test_0_5_23_probe_not_shown_is_applied_by_the_pack():
                   gm.UPSTREAM_PROBE)
     outcome = runtime.decide(ON, drift.engine(), names=ONLY, topology=TP4).outcomes[0]
     assert outcome.state == runtime.APPLIED, outcome.reason
-    assert f"({upstream_sync.MODULE}:{gm.UPSTREAM_PROBE}: reduces over None" in outcome.reason
+    assert f"({upstream_sync.MODULE}:SpecTpSync: run against its own code" in outcome.reason
+    assert "not once over the group it was given" in outcome.reason
 
 
 # ---------------------------------------------------------------- 0.5.23: ranks (issue 22)

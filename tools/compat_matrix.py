@@ -5,7 +5,8 @@
     python tools/compat_matrix.py --fetch    # only download and unpack the releases (scripts/setup.sh)
 
 Releases: 0.5.16 and every later one the package registry offers when this runs
-(`pip index versions sglang`), or those named with --releases. Each wheel is
+(`pip index versions sglang`), or those named with --releases; a new release is picked up
+without a code change (--check judges it and says so, and compares the committed rows). Each wheel is
 downloaded once into .engines/wheels, its Python sources unpacked into
 .engines/src/<release>, and each adapter's contract checked on those sources with
 adapter.engine.source_engine (nothing of the engine is imported or run). The result is
@@ -51,6 +52,13 @@ def registry_releases() -> list[str]:
     found = [v.strip() for v in listed.group(1).split(",")]
     final = [v for v in found if re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", v)]
     return sorted((v for v in final if tuple(int(x) for x in v.split(".")[:3]) >= FIRST), key=release_key)
+
+
+def committed_releases() -> list[str]:
+    """The releases the committed document's first table holds."""
+    text = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
+    first = text.split("## By deployment")[0]
+    return re.findall(r"^\| (\d[^ |]*) \|", first, flags=re.M)
 
 
 def release_wheel(version: str) -> pathlib.Path:
@@ -148,6 +156,17 @@ def main(argv=None) -> int:
     parser.add_argument("--releases", nargs="+", help="releases to check (default: 0.5.16 and later from the registry)")
     opts = parser.parse_args(argv)
     releases = opts.releases or registry_releases()
+    if opts.check and not opts.releases:
+        # The registry grows by itself: releases it offers beyond the committed table are
+        # judged and said, not a failure; the committed ones must still read the same.
+        committed = committed_releases()
+        new = [version for version in releases if version not in committed]
+        for version in new:
+            cells = outcomes(version)["any"]
+            print(f"new on the registry: sglang {version}: "
+                  + ", ".join(f"{name} {cells[name][0]}" for name in ADAPTERS)
+                  + " (run `python tools/compat_matrix.py` to add it to the table)", file=sys.stderr)
+        releases = [version for version in releases if version in committed] or releases
     if opts.fetch:
         for version in releases:
             print(f"sglang {version}: {source_tree(version).relative_to(ROOT)}", file=sys.stderr, flush=True)

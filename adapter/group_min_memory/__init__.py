@@ -111,7 +111,13 @@ def check_upstream(engine, module, context) -> Plan:
     contract = Contract(NAME, module)
     contract.params(UPSTREAM_PROBE, {"site": POSITIONAL, "device": POSITIONAL, "gpu_id": POSITIONAL, "group": KEYWORD_ONLY})
     upstream_sync.memory_numbers(contract)
-    what, selected = upstream_sync.selected(contract, context, engine)
+    try:
+        what, selected = upstream_sync.selected(contract, context, engine)
+    except Refused as exc:  # the class is not shown to select by its switch: the pack's probe serves every site
+        if not exc.symbol.endswith(f":{upstream_sync.CLASS}"):
+            raise  # the value itself: the engine would refuse it on every rank
+        return _pack_probe(contract, engine, context, f"{exc.symbol}: {exc.problem}",
+                           "the pack's probe reduces whichever site asks")
     choices = [(what, selected)]
     if upstream_sync.run_value(context) is None:  # what the engine may set itself where unset
         choices += [(f"{upstream_sync.ENGINE_FLAG}={value} (set by the engine at {where})", _engine_choice(contract, value))
@@ -135,12 +141,17 @@ def check_upstream(engine, module, context) -> Plan:
         return Plan("superseded", f"the engine reduces the probes to the group minimum itself {where}, shown from its "
                                   f"source and by running it: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}; {what} keeps "
                                   f"{labels(MEMORY)} on")
+    return _pack_probe(contract, engine, context, why_not, f"{what} keeps {labels(MEMORY)} on")
+
+
+def _pack_probe(contract: Contract, engine, context, why_not: str, sites: str) -> Plan:
+    """The pack's group minimum in place of SpecTpSync's probe, where the engine's is not shown."""
     helper = upstream_sync.prove_helper(contract, engine)  # what the pack's probe calls
     owner = contract.attr(upstream_sync.CLASS)
     return Plan("applied", f"{UPSTREAM_PROBE} made the minimum over the group its caller passes whenever that group "
-                           f"has more than one rank (upstream's unreleased fix, sgl-project/sglang#39954) {where}: the "
-                           f"engine's own reduction is not shown to reach the capture group ({why_not}); {helper}; "
-                           f"{what} keeps {labels(MEMORY)} on",
+                           f"has more than one rank (upstream's unreleased fix, sgl-project/sglang#39954) "
+                           f"{upstream_sync.judged_for(context.topology)}: the engine's own reduction is not shown to "
+                           f"reach the capture group ({why_not}); {helper}; {sites}",
                 [Patch(owner, "available_memory_gb", _upstream_group_minimum)])
 
 

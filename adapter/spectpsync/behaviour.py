@@ -138,7 +138,9 @@ def observe_module(module, values, originals=None) -> dict:
         seen: dict = {"parse": None, "parse_error": None, "built_error": None, "selected": {}, "broadcast": {},
                       "reduced": {}, "problems": [], "sync_problems": [], "probe_problems": []}
         out["values"][json.dumps(value)] = seen
-        if value is not None:
+        if value is not None and not callable(parse):
+            seen["parse_error"] = "NameError: the module no longer defines parse_spec_tp_sync"
+        elif value is not None:
             try:
                 with _quiet(module.__name__):
                     seen["parse"] = sorted(int(s) for s in parse(value))

@@ -98,8 +98,15 @@ def engine_parse(contract: Contract, raw: str) -> frozenset[int]:
     naming the engine's error where it cannot parse it."""
     seen = observed(contract, [raw])[raw]
     if seen["parse_error"]:
-        raise contract.refuse(ENGINE_FLAG, f"the engine cannot parse {raw!r}: {seen['parse_error']}")
+        raise _unparsed_value(contract, raw, seen["parse_error"])
     return frozenset(seen["parse"])
+
+
+def _unparsed_value(contract: Contract, raw: str, error: str) -> Refused:
+    """The engine's parser refusing `raw` (a ValueError: the value), or failing itself."""
+    if error.startswith("ValueError"):
+        return contract.refuse(ENGINE_FLAG, f"the engine cannot parse {raw!r}: {error}")
+    return contract.refuse("parse_spec_tp_sync", f"cannot be run on {raw!r}: {error}")
 
 
 def parse_user_value(contract: Contract, raw: str) -> frozenset[int]:
@@ -173,7 +180,7 @@ def _seen(contract: Contract, value: Optional[str], part: str = "") -> dict:
     variable or (`part`: "sync" or "probe") where that part misbehaved."""
     seen = observed(contract, [value])[value]
     if value is not None and seen["parse_error"]:
-        raise contract.refuse(ENGINE_FLAG, f"the engine cannot parse {value!r}: {seen['parse_error']}")
+        raise _unparsed_value(contract, value, seen["parse_error"])
     if seen["built_error"]:
         raise contract.refuse(CLASS, f"built with {_said(value)} it raises {seen['built_error']}")
     problems = seen["problems"] + (seen[f"{part}_problems"] if part else [])
