@@ -277,6 +277,9 @@ def test_doctor_engine_says_decided_at_launch_where_the_class_cannot_run(tmp_pat
         (root / "sglang" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(site / name, root / "sglang" / name)
     (root / "sglang" / "_version.py").write_text("__version__ = version = '0.5.24'\n")
+    # a class of its own (the same code observed elsewhere would be known already)
+    sync = root / "sglang" / next_release.SYNC
+    sync.write_text(sync.read_text(encoding="utf-8") + "\n# a preview build\n", encoding="utf-8")
     found = cli.report({"DSV41_SPEC_TP_SYNC": "all"}, SourceEngine(root))
     row = next(r for r in found["adapters"] if r["adapter"] == "rank0_broadcast")
     assert row["state"] == runtime.AT_LAUNCH, row["reason"]

@@ -121,7 +121,6 @@ def observe_module(module, values, originals=None) -> dict:
 
     cls, sites = module.SpecTpSync, module.SpecTpSyncSite
     parse = getattr(module, "parse_spec_tp_sync", None)
-    numbers = sorted(int(s) for s in sites)
     out = {"sites": {s.name: int(s) for s in sites}, "values": {}}
     helper_calls: list = []
     probe = probe_class(cls, helper_calls, originals or {})
@@ -134,6 +133,7 @@ def observe_module(module, values, originals=None) -> dict:
     def selected(instance):
         return sorted(int(s) for s in sites if instance.enabled(s))
 
+    warmups = _warmups(parse, sites, module.__name__)
     for value in values:
         seen: dict = {"parse": None, "parse_error": None, "built_error": None, "selected": {}, "broadcast": {},
                       "reduced": {}, "problems": [], "sync_problems": [], "probe_problems": []}
@@ -147,8 +147,8 @@ def observe_module(module, values, originals=None) -> dict:
             except Exception as exc:  # the engine's parser refusing the value is an answer, said
                 seen["parse_error"] = _error(exc)
         try:
-            # First "off" and one site, then the value: a switch read once and kept shows here.
-            for warmup, want in (("off", []), (str(numbers[0]), [numbers[0]])):
+            # First no site and one site, then the value: a switch read once and kept shows here.
+            for warmup, want in warmups:
                 got = selected(build(warmup, 2)[0])
                 if got != want:
                     seen["problems"].append(f"built under {SWITCH}={warmup!r} it selects {got}, not {want}: it does "
@@ -197,6 +197,25 @@ def observe_module(module, values, originals=None) -> dict:
     return out
 
 
+def _warmups(parse, sites, name: str) -> list:
+    """(value, the sites it selects) for no site and for one site, each in a spelling the
+    engine's own parser takes (numbers, slugs and presets are its to change)."""
+    first = min(sites, key=int)
+    found = []
+    for want, spellings in (([], ("off", "none")),
+                            ([int(first)], (str(int(first)), getattr(first, "slug", None),
+                                            first.name.lower().replace("_", "-")))):
+        for spelling in filter(None, spellings):
+            try:
+                with _quiet(name):
+                    if callable(parse) and sorted(int(s) for s in parse(spelling)) == want:
+                        found.append((spelling, want))
+                        break
+            except Exception:  # noqa: BLE001  (a spelling this release does not take)
+                continue
+    return found
+
+
 # ---------------------------------------------------------------- a tree, in a child interpreter
 
 
@@ -206,7 +225,7 @@ class _Child:
     def __init__(self, tree: str):
         env = {k: v for k, v in os.environ.items() if k not in (SWITCH, "PYTHONPATH")}
         env["PYTHONPATH"] = tree
-        code = (f"import runpy, sys; sys.path.insert(0, {tree!r}); "
+        code = (f"import runpy, sys; sys.argv = ['behaviour', {tree!r}]; sys.path.insert(0, {tree!r}); "
                 f"runpy.run_path({os.path.abspath(__file__)!r}, run_name='__child__')")
         self.process = subprocess.Popen([sys.executable, "-c", code], cwd=tree, env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -291,6 +310,10 @@ def _serve() -> None:
         import importlib
 
         module = importlib.import_module(MODULE)
+        tree = os.path.realpath(sys.argv[1])
+        if not os.path.realpath(module.__file__).startswith(tree + os.sep):
+            # e.g. a tree without sglang/__init__.py: another installation's package wins
+            raise ImportError(f"{MODULE} came from {module.__file__}, not from the tree")
     except BaseException as exc:  # noqa: BLE001  (any failure to import is the answer)
         failure = f"the tree's {MODULE} cannot be imported here: {_error(exc)}"
         module = None
