@@ -157,7 +157,9 @@ def observed(contract: Contract, values) -> dict:
         return {value: found[json.dumps(value)] for value in values}
     cls = contract.attr(CLASS)
     originals = {name: _own(cls, name) for name in vars(cls)}
-    key = (id(module), id(cls), tuple(sorted((name, id(value)) for name, value in originals.items())))
+    # the objects themselves, held by the key: an id could be reused by another class after this one is gone
+    key = (module, cls, tuple(sorted((name, value) for name, value in originals.items()
+                                     if isinstance(value, types.FunctionType))))
     missing = [value for value in values if (key, value) not in _OBSERVED]
     if missing:
         found = behaviour.observe_module(module, missing, originals)["values"]
