@@ -80,7 +80,7 @@ def judged(trees):
     """{tree: {"import": [...], "source": [...]}}, one entry per CASES item."""
     out = {}
     for name, tree in trees.items():
-        imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"},
+        imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
                              kwargs={"cases": CASES}, timeout=600)[0]
         out[name] = {"import": imported, "source": source_decisions(tree)}
     return out
@@ -201,7 +201,7 @@ def test_doctor_strict_passes_on_a_fixed_engine_with_no_flag(trees, name):
 @pytest.fixture(scope="module")
 def by_layout(trees, tmp_path_factory):
     model = str(tmp_path_factory.mktemp("model"))
-    return {name: run_ranks(1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{trees[name]}{os.pathsep}{ROOT}"},
+    return {name: run_ranks(1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{trees[name]}{os.pathsep}{ROOT}"}, warm=False,
                             kwargs={"model_dir": model, "source_tree": str(trees[name])}, timeout=900)[0]
             for name in ("all", "all-refactor")}
 
@@ -242,7 +242,7 @@ def changed(tmp_path_factory):
         next_release.edit(tree, next_release.SYNC, *edits)
         cases = [({"DSV41_SPEC_TP_SYNC": "7,8"}, (4, 1)), ({"DSV41_SPEC_TP_SYNC": "all"}, (4, 1)),
                  ({"DSV41_GROUP_MIN_MEM": "1"}, (4, 1))]
-        imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"},
+        imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
                              kwargs={"cases": cases}, timeout=600)[0]
         engine = SourceEngine(tree)
         source = [runtime.decide(env, engine, topology=Topology(*layout)) for env, layout in cases]
