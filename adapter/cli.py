@@ -421,8 +421,11 @@ def wrap(command: list[str]) -> int:
     status = check_and_apply(command)
     if status:
         return status
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a stream that cannot be written loses its lines; COMMAND still runs
+            pass
     try:
         os.execvp(command[0], command)
     except FileNotFoundError:
