@@ -115,6 +115,7 @@ def _function(node, module_name: str, qualname: str, text: str):
     source_only.__name__, source_only.__qualname__, source_only.__module__ = node.name, qualname, module_name
     source_only.__signature__ = _signature(node.args)
     source_only.__source_text__ = _segment(text, node)
+    source_only.__source_line__ = node.lineno  # where that text starts in the file (its def line)
     decorators = {ast.unparse(d) for d in node.decorator_list}
     if "staticmethod" in decorators:
         return staticmethod(source_only)
