@@ -50,10 +50,15 @@ def _mib(size: int) -> str:
 
 
 class SourceOnly:
-    """A module-level value known only by its name in the source."""
+    """A value known only by its name in the source (and, where it is assigned there, by
+    the expression it is assigned)."""
 
-    def __init__(self, where: str):
-        self.where = where
+    def __init__(self, where: str, node: Optional[ast.expr] = None):
+        self.where, self._node = where, node
+
+    @property
+    def expression(self) -> Optional[str]:
+        return ast.unparse(self._node) if self._node is not None else None
 
     def __repr__(self) -> str:
         return f"<source-only {self.where}>"
@@ -64,7 +69,7 @@ def _value(node, where: str):
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return SourceOnly(where)
+        return SourceOnly(where, node)
 
 
 class _Default:
