@@ -27,8 +27,8 @@ import torch
 from sglang_dsv41_adapters.folded_fence import fence_boundary, fence_forms, holders
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import runtime
-from tests.conftest import Step, accept_kwargs, build_dspark
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+from tests.conftest import Step, accept_kwargs, build_dspark
 from harness.doctored import DoctoredEngine, doctored_module
 
 V, W, UTILS = folded_fence.VERIFY, folded_fence.WORKER, "sglang.srt.managers.utils"
@@ -232,6 +232,16 @@ GENERAL_CASES = {
         ((STRUCT + "    correct_len:", STRUCT + "    def __post_init__(self):\n        SEEN.append('built')\n\n    correct_len:"),),
         "AcceptOuts runs code of its own"),
 }
+# AcceptOuts's fields moved to a base struct; `bonus` declared again in AcceptOuts keeps its place.
+BASE_STRUCT = (
+    (STRUCT, "class _AcceptFields(msgspec.Struct):\n"),
+    ("    out_tokens: torch.Tensor\n\n\nclass StaticVerifyIO",
+     "    out_tokens: torch.Tensor\n\n\nclass AcceptOuts(_AcceptFields):\n    bonus: torch.Tensor\n\n\nclass StaticVerifyIO"),
+)
+GENERAL_CASES["AcceptOuts inherits a __post_init__"] = (
+    (BASE_STRUCT[0], (BASE_STRUCT[0][1] + "    correct_len:", BASE_STRUCT[0][1] + "    def __post_init__(self):\n"
+                      "        SEEN.append('built')\n\n    correct_len:"), BASE_STRUCT[1]),
+    "AcceptOuts runs code of its own")
 SUBCLASS_TAIL = (
     "\n\nclass SeenAcceptOuts(AcceptOuts):\n"
     "    seen: Optional[torch.Tensor] = None\n"
@@ -284,6 +294,24 @@ def test_read_accept_reading_another_buffer_is_replicated_as_it_reads(tmp_path):
     decision, expected = engine_then_fence(dspark, folded_call(dspark), engine)
     assert isinstance(folded_form(decision), fence_forms.CheapForm) and folded_form(decision).trusted == {BS}
     assert torch.equal(expected[1]["bonus"], expected[1]["correct_len"])
+
+
+def test_accept_outs_inheriting_its_fields_is_fenced_alike_imported_and_read_from_source(tmp_path):
+    """msgspec gives AcceptOuts its base's fields; read from source, the base is found in the
+    same module and its fields come first, as the engine's import has them."""
+    module, engine = doctored(tmp_path, *BASE_STRUCT)
+    assert module.AcceptOuts.__struct_fields__ == FIELDS and "correct_len" not in vars(module.AcceptOuts).get(
+        "__annotations__", {})
+    dspark = build_dspark(module)
+    decision, _ = engine_then_fence(dspark, folded_call(dspark), engine)
+    assert isinstance(folded_form(decision), fence_forms.CheapForm) and folded_form(decision).trusted == {BS}
+    sources = doctored_sources(tmp_path, *BASE_STRUCT)
+    assert sources.module(V).AcceptOuts.__struct_fields__ == FIELDS
+    imported, read = decision.outcomes[0], fence_outcome(sources)
+    assert (read.state, read.reason) == (imported.state, imported.reason) == (runtime.APPLIED, fence_outcome(None).reason)
+    with_init = GENERAL_CASES["AcceptOuts inherits a __post_init__"][0]  # read alike: the general form
+    read = fence_outcome(doctored_sources(tmp_path / "with-init", *with_init))
+    assert read.reason == fence_outcome(doctored(tmp_path, *with_init)[1]).reason and "runs code of its own" in read.reason
 
 
 PARTIAL_IN_BODY = ((READ_DEF, "    def _read_accept(self, bs: int) -> AcceptOuts:\n"),
