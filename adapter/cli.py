@@ -47,7 +47,7 @@ EXIT_STATUSES = (
     (EXIT_REFUSED, "refused: an engine that drifted from what an adapter needs, conflicting flags, "
                    "ranks that would not load the pack; doctor --strict also: an engine check refused"),
     (EXIT_FLAGS, "a pack flag not understood: a DSV41_* value or name, or a name within two edits of a "
-                 "flag (checked first)"),
+                 "flag (checked first; --help prints its help, then says so)"),
     (EXIT_CANNOT_RUN, "wrapper: COMMAND found but not executable"),
     (EXIT_NOT_FOUND, "wrapper: COMMAND not found"),
 )
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if first == "launch" and argv[1:2] not in (["-h"], ["--help"]):
         return launch(argv[1:])  # every argument after `launch` is the engine's, except a lone --help
     if first in ("doctor", "launch", "version", "-h", "--help", "--version"):
-        opts = build_parser().parse_args(argv)
+        opts = parse(argv)
         return opts.run(opts)
     if first == "--":
         if len(argv) == 1:
@@ -176,6 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     if first.startswith("-"):
         return launch(argv)  # bare server arguments: the engine's server
     return wrap(argv)
+
+
+def parse(argv: list[str]):
+    """The pack's own command line. A help it printed exits as launch, the wrapper and doctor
+    --strict do where a pack flag is not understood: EXIT_FLAGS, with the errors in one line."""
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as done:
+        asked = argv[:argv.index("--")] if "--" in argv else argv  # after --: the command's own
+        errors = runtime.flag_errors(os.environ) if done.code == 0 and {"-h", "--help"} & set(asked) else []
+        if errors:
+            runtime.emit(f"{' '.join(asked)}: {' | '.join(errors)} (exit {EXIT_FLAGS})")
+            raise SystemExit(EXIT_FLAGS) from None
+        raise
 
 
 # --- doctor ---------------------------------------------------------------------------------
@@ -421,8 +435,11 @@ def wrap(command: list[str]) -> int:
     status = check_and_apply(command)
     if status:
         return status
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a stream that cannot be written loses its lines; COMMAND still runs
+            pass
     try:
         os.execvp(command[0], command)
     except FileNotFoundError:

@@ -184,9 +184,33 @@ def test_launch_wrapper_and_strict_doctor_exit_alike(environ, monkeypatch, capsy
         got[form] = cli.main(argv)  # refused before the server or the command starts
     got["doctor --strict"] = cli.main(["doctor", "--strict"])
     got["doctor"] = cli.main(["doctor"])
+    for argv in (["--help"], ["launch", "--help"], ["doctor", "--help"], ["doctor", "--strict", "-h"]):
+        with pytest.raises(SystemExit) as done:
+            cli.main(argv)  # the help is printed whatever the flags; a flag not understood is 78 too
+        got[" ".join(argv)] = done.value.code
+    helps = status if status == cli.EXIT_FLAGS else 0
     assert got == {"launch": status, "bare server arguments": status, "wrapper": status,
-                   "doctor --strict": status, "doctor": 0}
+                   "doctor --strict": status, "doctor": 0,
+                   "--help": helps, "launch --help": helps, "doctor --help": helps, "doctor --strict -h": helps}
     assert f"verdict: {'flag-error' if status == 78 else 'refused'} (doctor --strict exits {status})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["launch", "--help"], ["doctor", "--help"], ["--help"]])
+def test_help_with_a_flag_not_understood_is_the_help_then_one_line_and_78(argv):
+    done = run_cli(*argv, DSV41_FOLDED_FENCE="maybe", timeout=60)
+    assert done.returncode == cli.EXIT_FLAGS, done.stderr[-3000:]
+    assert done.stdout.startswith(f"usage: sglang-adapters {argv[0] if argv[0] != '--help' else ''}")
+    (line,) = pack_lines(done.stderr)
+    assert line.endswith(f"rank=launcher {' '.join(argv)}: DSV41_FOLDED_FENCE='maybe' is not understood; accepted "
+                         "values are 1/on/true to switch it on and 0/off/false/none to switch it off (any case, no "
+                         "spaces), or leave DSV41_FOLDED_FENCE unset for off (exit 78)"), line
+    off = run_cli(*argv, DSV41_FOLDED_FENCE="maybe", DSV41_ADAPTERS="off", timeout=60)  # no flag is read: as launch
+    assert off.returncode == 0 and off.stdout == done.stdout and pack_lines(off.stderr) == []
+
+
+@pytest.mark.parametrize("env", [case[0] for case in CASES.values()] + [{"DSV41_ADAPTERS": "off", "DSV41_FOLDED_FENCE": "2"}])
+def test_the_flag_check_of_help_is_the_decisions(env):
+    assert runtime.flag_errors(env) == list(runtime.decide(env).flag_errors)
 
 
 def test_the_engines_own_argument_error_stays_2():

@@ -59,3 +59,50 @@ def test_doctor_refuses_a_drifted_engine_it_has_not_imported(tmp_path):
     assert "'draft_ids'" in fence["engine_check"]["reason"]
     # Read from sources only: no adapter line was printed, nothing was imported or applied.
     assert "[sglang-adapters]" not in done.stderr
+
+
+SHAPES = {  # msgspec structs and dataclasses inheriting fields, as an engine module might declare them
+    "sglang/srt/bases.py": (
+        "import dataclasses\n\nimport msgspec\n\n\n"
+        "class Remote(msgspec.Struct):\n    r: int = 0\n\n\n"
+        "@dataclasses.dataclass\nclass RemoteData:\n    x: int = 0\n"),
+    "sglang/srt/shapes.py": (
+        "import dataclasses\nimport typing\n\nimport msgspec\n\nfrom sglang.srt import bases\n"
+        "from sglang.srt.bases import Remote, RemoteData\n\n\n"
+        "class A(msgspec.Struct):\n    a: int = 0\n    b: int = 0\n\n\n"
+        "class Mixin:\n    __slots__ = ()\n    m: typing.ClassVar[int] = 0\n\n    def hello(self):\n        pass\n\n\n"
+        "class B(A):\n    c: int = 1\n    a: int = 5  # declared again: keeps its place\n\n\n"
+        "class C(B, Mixin):\n    d: int = 2\n    k: typing.ClassVar[int] = 0\n\n\n"
+        "class D(Remote):\n    e: int = 0\n\n\n"
+        "class E(bases.Remote):\n    f: int = 0\n\n\n"
+        "class Plain:\n    p: int = 0  # a plain class's annotation: no field\n\n\n"
+        "@dataclasses.dataclass\nclass DA:\n    a: int = 0\n    b: int = 0\n\n\n"
+        "@dataclasses.dataclass\nclass DB(DA, Plain):\n    c: int = 1\n    a: int = 5\n\n\n"
+        "class NotDecorated(DB):\n    z: int = 3  # no dataclass of its own: DB's fields\n\n\n"
+        "@dataclasses.dataclass\nclass DR(RemoteData):\n    y: int = 0\n"),
+    "sglang/__init__.py": "", "sglang/srt/__init__.py": "",
+}
+
+
+def fields_of(cls):
+    found = getattr(cls, "__struct_fields__", None)
+    return list(found) if found is not None else list(getattr(cls, "__dataclass_fields__", {}))
+
+
+def test_inherited_fields_read_from_source_are_those_python_gives(tmp_path):
+    """Bases in the same module and in another of the tree, in MRO order: what msgspec and
+    dataclasses give the classes when the module is imported (a child interpreter with the
+    tree first on its path), the source reader gives them without importing."""
+    for name, text in SHAPES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    code = ("import inspect, json, sglang.srt.shapes as m; print(json.dumps({n: list(getattr(c, '__struct_fields__', None) "
+            "or getattr(c, '__dataclass_fields__', {})) for n, c in vars(m).items() if inspect.isclass(c) "
+            "and c.__module__ == m.__name__}))")
+    done = subprocess.run([python(), "-c", code], cwd=tmp_path, env={**engine_env("0.5.23"), "PYTHONPATH": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = json.loads(done.stdout)
+    assert imported["C"] == ["a", "b", "c", "d"] and imported["NotDecorated"] == ["a", "b", "c"]  # Python's own order
+    module = SourceEngine(tmp_path, version="0.5.23").module("sglang.srt.shapes")
+    assert {name: fields_of(getattr(module, name)) for name in imported} == imported

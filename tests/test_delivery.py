@@ -118,12 +118,23 @@ DROPPED = ("    load_plugins()\n", "    pass\n")
 LATE = ("        scheduler = Scheduler(server_args, port_args)\n",
         "        scheduler = Scheduler(server_args, port_args)\n        load_plugins()\n")
 CONDITIONAL = ("    load_plugins()\n", "    if os.environ.get('LOAD'):\n        load_plugins()\n")
+DECORATED = ("def run_scheduler_process(\n",  # a wrapper of its own (functools.wraps): its __code__ is the wrapper's
+             "def _traced(function):\n    import functools\n\n    @functools.wraps(function)\n"
+             "    def wrapper(*args, **kwargs):\n        return function(*args, **kwargs)\n    return wrapper\n\n\n"
+             "@_traced\ndef run_scheduler_process(\n")
+
+
+def built_at(path) -> int:
+    """The line of `path` that builds the ranks' Scheduler (the first, where LATE adds one)."""
+    lines = pathlib.Path(path).read_text().splitlines()
+    return 1 + lines.index("        scheduler = Scheduler(server_args, port_args)")
 
 
 @pytest.mark.parametrize("drift,problem", [
     ((DROPPED,), "no longer calls load_plugins() as a statement of its own before Scheduler(...)"),
     ((CONDITIONAL,), "no longer calls load_plugins() as a statement of its own before Scheduler(...)"),
     ((DROPPED, LATE), "no longer calls load_plugins() as a statement of its own before Scheduler(...)"),
+    ((DROPPED, DECORATED), "no longer calls load_plugins() as a statement of its own before Scheduler(...)"),
 ])
 def test_a_scheduler_process_that_no_longer_loads_plugins_first_is_refused(tmp_path, drift, problem):
     scheduler = doctored_module(delivery.SCHEDULER, *drift, directory=tmp_path)
@@ -132,7 +143,7 @@ def test_a_scheduler_process_that_no_longer_loads_plugins_first_is_refused(tmp_p
     assert decision.refused
     reason = next(r for r in decision.reasons if "run_scheduler_process" in r)
     assert reason.startswith("delivery refused on sglang 0.5.23: sglang.srt.managers.scheduler:run_scheduler_process: ")
-    assert problem in reason and f"{scheduler.__file__}:" in reason
+    assert problem in reason and f"({scheduler.__file__}:{built_at(scheduler.__file__)}); " in reason, reason
     # With every adapter off nothing is lost: the launch goes on.
     assert not runtime.decide({}, engine).refused
 
@@ -149,11 +160,16 @@ def test_the_same_drift_read_from_source_is_refused_alike(tmp_path):
     (tree / "sglang" / "version.py").write_text('__version__ = "0.5.23"\n')
     assert delivery.loader_problems(SourceEngine(tree)) == []
     path = tree / "sglang" / "srt" / "managers" / "scheduler.py"
-    path.write_text(path.read_text().replace(*DROPPED))
-    problems = delivery.loader_problems(SourceEngine(tree))
-    assert len(problems) == 1
-    assert "run_scheduler_process: no longer calls load_plugins() as a statement of its own" in problems[0]
-    assert f"{path}:" in problems[0]
+    real = path.read_text()
+    for drift in ((DROPPED,), (DROPPED, DECORATED)):
+        text = real
+        for old, new in drift:
+            text = text.replace(old, new)
+        path.write_text(text)
+        problems = delivery.loader_problems(SourceEngine(tree))
+        assert len(problems) == 1
+        assert "run_scheduler_process: no longer calls load_plugins() as a statement of its own" in problems[0]
+        assert f"({path}:{built_at(path)}); " in problems[0], problems[0]  # the line in that file, not in the reader's
 
 
 @pytest.mark.parametrize("value", [",", "  ", OURS, None])

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
+import pathlib
+import shutil
 import types
 
 import pytest
@@ -24,6 +27,7 @@ import torch
 from sglang_dsv41_adapters.folded_fence import fence_boundary, fence_forms, holders
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from tests.conftest import Step, accept_kwargs, build_dspark
 from harness.doctored import DoctoredEngine, doctored_module
 
@@ -191,6 +195,30 @@ def doctored(tmp_path, *replacements, tail: str = ""):
     return module, DoctoredEngine({V: module})
 
 
+SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
+
+
+def doctored_sources(tmp_path, *replacements, tail: str = "") -> SourceEngine:
+    """The same change in a copy of the installed release's sources (its .py files and its
+    metadata), read as doctor --engine reads a release."""
+    tree = tmp_path / "engine"
+    shutil.copytree(SITE_PACKAGES / "sglang", tree / "sglang",
+                    ignore=lambda folder, names: [n for n in names if not n.endswith(".py")
+                                                  and not (pathlib.Path(folder) / n).is_dir()])
+    shutil.copytree(next(SITE_PACKAGES.glob("sglang-*.dist-info")), tree / "sglang-0.5.23.dist-info")
+    path = tree.joinpath(*V.split(".")).with_suffix(".py")
+    text = path.read_text()
+    for old, new in ((FIRST_CLASS, HELPERS + FIRST_CLASS), *replacements):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path.write_text(text + tail)
+    return SourceEngine(tree)
+
+
+def fence_outcome(engine) -> runtime.Outcome:
+    return runtime.decide({folded_fence.FLAG: "1"}, engine, names=(folded_fence.NAME,)).outcomes[0]
+
+
 GENERAL_CASES = {
     "read_accept decorated, values changed": (((READ_DEF, "    @_swapped\n" + READ_DEF),), "is decorated"),
     "read_accept decorated, a side effect only": (((READ_DEF, "    @_counted\n" + READ_DEF),), "is decorated"),
@@ -204,6 +232,16 @@ GENERAL_CASES = {
         ((STRUCT + "    correct_len:", STRUCT + "    def __post_init__(self):\n        SEEN.append('built')\n\n    correct_len:"),),
         "AcceptOuts runs code of its own"),
 }
+# AcceptOuts's fields moved to a base struct; `bonus` declared again in AcceptOuts keeps its place.
+BASE_STRUCT = (
+    (STRUCT, "class _AcceptFields(msgspec.Struct):\n"),
+    ("    out_tokens: torch.Tensor\n\n\nclass StaticVerifyIO",
+     "    out_tokens: torch.Tensor\n\n\nclass AcceptOuts(_AcceptFields):\n    bonus: torch.Tensor\n\n\nclass StaticVerifyIO"),
+)
+GENERAL_CASES["AcceptOuts inherits a __post_init__"] = (
+    (BASE_STRUCT[0], (BASE_STRUCT[0][1] + "    correct_len:", BASE_STRUCT[0][1] + "    def __post_init__(self):\n"
+                      "        SEEN.append('built')\n\n    correct_len:"), BASE_STRUCT[1]),
+    "AcceptOuts runs code of its own")
 SUBCLASS_TAIL = (
     "\n\nclass SeenAcceptOuts(AcceptOuts):\n"
     "    seen: Optional[torch.Tensor] = None\n"
@@ -258,10 +296,38 @@ def test_read_accept_reading_another_buffer_is_replicated_as_it_reads(tmp_path):
     assert torch.equal(expected[1]["bonus"], expected[1]["correct_len"])
 
 
+def test_accept_outs_inheriting_its_fields_is_fenced_alike_imported_and_read_from_source(tmp_path):
+    """msgspec gives AcceptOuts its base's fields; read from source, the base is found in the
+    same module and its fields come first, as the engine's import has them."""
+    module, engine = doctored(tmp_path, *BASE_STRUCT)
+    assert module.AcceptOuts.__struct_fields__ == FIELDS and "correct_len" not in vars(module.AcceptOuts).get(
+        "__annotations__", {})
+    dspark = build_dspark(module)
+    decision, _ = engine_then_fence(dspark, folded_call(dspark), engine)
+    assert isinstance(folded_form(decision), fence_forms.CheapForm) and folded_form(decision).trusted == {BS}
+    sources = doctored_sources(tmp_path, *BASE_STRUCT)
+    assert sources.module(V).AcceptOuts.__struct_fields__ == FIELDS
+    imported, read = decision.outcomes[0], fence_outcome(sources)
+    assert (read.state, read.reason) == (imported.state, imported.reason) == (runtime.APPLIED, fence_outcome(None).reason)
+    with_init = GENERAL_CASES["AcceptOuts inherits a __post_init__"][0]  # read alike: the general form
+    read = fence_outcome(doctored_sources(tmp_path / "with-init", *with_init))
+    assert read.reason == fence_outcome(doctored(tmp_path, *with_init)[1]).reason and "runs code of its own" in read.reason
+
+
+PARTIAL_IN_BODY = ((READ_DEF, "    def _read_accept(self, bs: int) -> AcceptOuts:\n"),
+                   ("    def read_block_accept_lens(",
+                    "    read_accept = functools.partialmethod(_read_accept)\n\n    def read_block_accept_lens("))
 REFUSED_CASES = {  # (replacements, tail, what the refusal names)
     "read_accept a property": (
         ((READ_DEF + "        return AcceptOuts(\n", "    @property\n    def read_accept(self):\n        return lambda bs: AcceptOuts(\n"),),
-        "", "DsparkVerifyEpilogue.read_accept: is no longer callable"),
+        "", "DsparkVerifyEpilogue.read_accept: is a property, not a plain function: its signature and source cannot "
+            "be checked"),
+    "read_accept a functools.partialmethod set on the class": (
+        (), "\n\nDsparkVerifyEpilogue.read_accept = functools.partialmethod(DsparkVerifyEpilogue.read_accept)\n",
+        "DsparkVerifyEpilogue.read_accept: is a functools.partialmethod, not a plain function: its signature and "
+        "source cannot be checked"),
+    "read_accept a functools.partialmethod in the class body": (
+        PARTIAL_IN_BODY, "", "DsparkVerifyEpilogue.read_accept: is a functools.partialmethod, not a plain function"),
     "read_accept rebound in the class body": (
         (("    def read_block_accept_lens(", "    read_accept = _counted(read_accept)\n\n    def read_block_accept_lens("),),
         "", "refers to read_accept (bind)"),
@@ -275,9 +341,19 @@ REFUSED_CASES = {  # (replacements, tail, what the refusal names)
 def test_a_reader_the_checks_cannot_see_through_is_refused(name, tmp_path):
     replacements, tail, named = REFUSED_CASES[name]
     _, engine = doctored(tmp_path, *replacements, tail=tail)
-    outcome = runtime.decide({folded_fence.FLAG: "1"}, engine, names=(folded_fence.NAME,)).outcomes[0]
+    outcome = fence_outcome(engine)
     assert outcome.state == runtime.REFUSED
     assert named in outcome.reason, outcome.reason
+
+
+@pytest.mark.parametrize("replacements,named", [
+    (REFUSED_CASES["read_accept a property"][0], REFUSED_CASES["read_accept a property"][2]),
+    (PARTIAL_IN_BODY, "DsparkVerifyEpilogue.read_accept: is bound to `functools.partialmethod(_read_accept)`, not a "
+                      "plain function: its signature and source cannot be checked"),
+])
+def test_a_reader_that_is_no_plain_function_is_refused_for_that_when_read_from_source(replacements, named, tmp_path):
+    outcome = fence_outcome(doctored_sources(tmp_path, *replacements))
+    assert outcome.state == runtime.REFUSED and named in outcome.reason, outcome.reason
 
 
 # --- the real 0.5.23 objects changed at run time, after the cheap form was proven ---------

@@ -70,3 +70,15 @@ def test_a_0_5_18_scheduler_is_labelled_from_its_arguments():
                           timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["3", "dp2-pp1-1"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_stderr_that_cannot_be_written_loses_the_lines_not_the_process():
+    """stderr on a full disk (/dev/full fails every write with ENOSPC): the wrapper's lines are
+    lost, and it still runs the command, whose status is its own."""
+    path = f"{os.path.dirname(python())}{os.pathsep}{os.environ['PATH']}"
+    with open("/dev/full", "w") as full:
+        done = zygote.run([python(), "entrypoint.py", "python", "-c", "print('ran'); raise SystemExit(7)"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=full, text=True, timeout=240,
+                          env=engine_env("0.5.23", PATH=path, DSV41_FOLDED_FENCE="1"))
+    assert (done.returncode, done.stdout) == (7, "ran\n")

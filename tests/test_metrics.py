@@ -4,8 +4,11 @@ engine's own metrics route (sglang.srt.utils.common.add_prometheus_middleware) s
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -13,10 +16,14 @@ from sglang_dsv41_adapters import ADAPTERS
 from sglang_dsv41_adapters.framework import metrics, runtime
 from harness import zygote
 from harness.engines import metric_samples, served_metrics
+from tests.test_cli import pack_lines, run_cli
+from tests.test_plugin import spawn_rank
 
 ROUTE = "DSparkWorkerV2Output.next_draft_input.accept_lens <- DsparkVerifyEpilogue.commit_lens_buf"
 SERVED_ROUTE = "SimpleNamespace.next_draft_input.accept_lens <- SimpleNamespace.commit_lens_buf"  # what rank_process copies
 RANKS = 3
+PATCHED = ["folded_fence:_block_accept_lens", "folded_fence:accept_and_finalize",
+           "folded_fence:forward_batch_generation", "folded_fence:run", "pack-guard:__init__"]  # a rank's, fence on
 
 
 def rank_process(rank: int) -> None:
@@ -93,3 +100,169 @@ def test_nothing_is_recorded_without_the_engines_metrics(monkeypatch):
     metrics.count_boundary_copy(ROUTE)
     metrics.outcomes(runtime.decide({}), {})
     assert metrics.made() == []  # no metric made, nothing written
+
+
+# --- a folder the pack cannot write: one line, never a crash; the whole pack off: nothing --------
+
+def as_file(folder):
+    folder.write_text("not a folder\n")
+
+
+def missing(folder):
+    pass
+
+
+def under_a_file(folder):
+    folder.parent.rmdir()
+    folder.parent.write_text("not a folder\n")  # the path's parent is a file
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """A folder root cannot write in either: the file system's immutable attribute (chattr +i),
+    which root's permission override does not pass (a mode of 0o500 would not stop root)."""
+    folder.mkdir()
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("this file system has no immutable attribute (chattr +i)")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+UNWRITABLE = {"a file": as_file, "a missing folder": missing, "a path under a file": under_a_file,
+              "a read-only folder": read_only}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """One path for every case, so one warm parent serves them all (harness.zygote): the
+    cases change what lies there."""
+    return tmp_path_factory.mktemp("metrics-cases") / "parent" / "prometheus"
+
+
+def emptied(folder):
+    """`folder`'s parent as a new empty folder, whatever an earlier case left there."""
+    if folder.parent.is_file():
+        folder.parent.unlink()
+    shutil.rmtree(folder.parent, ignore_errors=True)
+    folder.parent.mkdir(parents=True)
+
+
+@contextlib.contextmanager
+def laid_out(folder, case):
+    """`folder` as `case` makes it, checked to refuse a file even to root."""
+    emptied(folder)
+    made = UNWRITABLE[case](folder)
+    with made if made is not None else contextlib.nullcontext():
+        with pytest.raises(OSError):
+            open(folder / "probe.db", "a+b")  # what prometheus_client does first in the folder
+        yield
+
+
+def metric_lines(stderr: str) -> list[str]:
+    return [line for line in pack_lines(stderr) if "metrics" in line or metrics.FOLDER in line]
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["pack on", "DSV41_ADAPTERS=off"])
+@pytest.mark.parametrize("case", sorted(UNWRITABLE))
+def test_the_wrapper_with_a_folder_it_cannot_write_says_so_once_and_runs_the_command(folder, case, off):
+    with laid_out(folder, case):
+        before = folder.read_bytes() if folder.is_file() else None
+        done = run_cli("python", "-c", "raise SystemExit(7)", PROMETHEUS_MULTIPROC_DIR=str(folder),
+                       DSV41_FOLDED_FENCE="1", **({"DSV41_ADAPTERS": "off"} if off else {}))
+        assert done.returncode == 7 and "Traceback" not in done.stderr, done.stderr[-3000:]  # the command's status
+        if off:  # the rollback: one line, the master switch's, and nothing about metrics
+            assert [line.split(" ", 3)[3] for line in pack_lines(done.stderr)] == [
+                "DSV41_ADAPTERS='off': OFF - the whole pack is off: no adapter is decided or applied in this process "
+                "(sglang 0.5.23)"]
+        else:
+            assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED" in done.stderr
+            (line,) = metric_lines(done.stderr)
+            assert f"metrics: none from the pack in this process: {metrics.FOLDER}='{folder}' cannot be written (" in line
+        if before is not None:
+            assert folder.read_bytes() == before
+        assert not folder.is_dir() or os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["pack on", "DSV41_ADAPTERS=off"])
+def test_the_wrapper_records_into_a_good_folder_and_nothing_when_the_pack_is_off(folder, off):
+    emptied(folder)
+    folder.mkdir()
+    done = run_cli("python", "-c", "import os; print(os.getpid())", PROMETHEUS_MULTIPROC_DIR=str(folder),
+                   DSV41_FOLDED_FENCE="1", **({"DSV41_ADAPTERS": "off"} if off else {}))
+    assert done.returncode == 0 and metric_lines(done.stderr) == [], done.stderr[-3000:]
+    if off:
+        assert os.listdir(folder) == []  # not a file: the rollback writes nothing there
+    else:
+        assert os.listdir(folder) == [f"gauge_mostrecent_{done.stdout.strip()}.db"]  # exec: the same pid
+        samples = metric_samples(served_metrics(folder), "sglang_adapters:adapter_outcome")
+        assert samples[("sglang_adapters:adapter_outcome", (("adapter", "folded_fence"), ("flag", "DSV41_FOLDED_FENCE"),
+                                                            ("outcome", "applied"), ("rank", "launcher")))] == 1.0
+
+
+def rank_then_folder_removed(folder: str) -> None:
+    """A rank that recorded its outcomes at start-up, whose folder is then removed (a
+    cleanup job, a restarted sidecar): the fence's boundary check counts its first copy on
+    the decode path, where prometheus_client makes the counter's file."""
+    import shutil
+    import types
+
+    import torch
+
+    from sglang_dsv41_adapters.folded_fence import fence_boundary
+    from sglang_dsv41_adapters.framework import log
+
+    log.set_process_label(1)
+    assert not runtime.apply_once(os.environ).refused
+    assert [name.split("_")[0] for name in os.listdir(folder)] == ["gauge"]
+    shutil.rmtree(folder)
+    epilogue = types.SimpleNamespace(commit_lens_buf=torch.zeros(8, dtype=torch.int32))
+    for step in range(3):  # three decode steps: each copy is made, the line said once
+        result = types.SimpleNamespace(next_draft_input=types.SimpleNamespace(accept_lens=epilogue.commit_lens_buf[:4]))
+        copied, routes = fence_boundary.detach_escapes(result, epilogue)
+        assert routes == [SERVED_ROUTE]
+        assert copied.next_draft_input.accept_lens.data_ptr() != epilogue.commit_lens_buf.data_ptr()
+    assert metrics.stopped().startswith(f"{metrics.FOLDER}={folder!r} cannot be written (FileNotFoundError: ")
+
+
+def test_a_counter_first_made_after_the_folder_is_gone_stops_the_metrics_not_the_step(folder, monkeypatch, capfd):
+    emptied(folder)
+    folder.mkdir()
+    monkeypatch.setenv(metrics.FOLDER, str(folder))
+    monkeypatch.setenv("DSV41_FOLDED_FENCE", "1")
+    context = multiprocessing.get_context("spawn")
+    child = context.Process(target=rank_then_folder_removed, args=(str(folder),))
+    with zygote.warm_spawn(context):
+        child.start()
+    child.join(timeout=240)
+    assert child.exitcode == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = metric_lines(err)
+    assert " rank=1 metrics: none from the pack in this process: " in line and "counter_" in line
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["pack on", "DSV41_ADAPTERS=off"])
+@pytest.mark.parametrize("good", [False, True], ids=["a file", "a good folder"])
+def test_a_rank_loading_the_pack_through_the_plugin_gets_as_far_as_without_metrics(folder, good, off, monkeypatch,
+                                                                                   tmp_path, capfd):
+    """The engine's own plugin loader, then Scheduler(...) (tests.test_plugin): with the
+    adapters applied at its start, the engine's own constructor runs, as far as it goes on
+    placeholder arguments (its own error, not one of the pack's)."""
+    monkeypatch.setenv(metrics.FOLDER, str(folder))
+    if off:
+        monkeypatch.setenv("DSV41_ADAPTERS", "off")
+    emptied(folder)
+    if good:
+        folder.mkdir()
+    else:
+        as_file(folder)
+    code, found = spawn_rank(monkeypatch, "1", tmp_path)
+    assert code == 0 and found["patched"] == (["pack-guard:__init__"] if off else PATCHED), found
+    assert found["constructor"] == "ValueError"  # the engine's own: "config namespace 'device' not published"
+    lines = metric_lines(capfd.readouterr().err)
+    if good:
+        assert lines == [] and len(os.listdir(folder)) == (0 if off else 1)
+    else:
+        assert folder.read_text() == "not a folder\n" and len(lines) == (0 if off else 1), lines

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Callable, Optional
 
 from .installed import engine_version, version_of
+from .source_engine import SourceOnly
 from .syntax import Found, index, within
 
 POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -75,7 +76,7 @@ class Contract:
         """The function exists and takes each named parameter with the given kind."""
         func = self.attr(dotted)
         if not callable(func):
-            raise self.refuse(dotted, "is no longer callable")
+            raise self.refuse(dotted, _not_callable(func))
         sig = inspect.signature(func)
         for name, kind in required.items():
             param = sig.parameters.get(name)
@@ -142,6 +143,21 @@ class Contract:
             if not within(f.function, functions):
                 raise self.refuse(f.function, f"line {f.line} uses {name}, a path this adapter does not cover")
         return found
+
+
+def _not_callable(value) -> str:
+    """Why `value`, found where a function was expected, is refused. A descriptor (a property,
+    a functools.partialmethod) still answers a call through an instance, but it is no plain
+    function whose signature and source could be checked; nor is an expression read from source."""
+    if isinstance(value, SourceOnly) and value.expression is not None:  # a class-body assignment read from source
+        return f"is bound to `{value.expression}`, not a plain function: its signature and source cannot be checked"
+    if hasattr(type(value), "__get__"):
+        kind = type(value)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        return f"is a {name}, not a plain function: its signature and source cannot be checked"
+    return "is no longer callable"
+
+
 def target_modules(adapter: str, engine, targets) -> dict:
     """The adapter's target modules in `engine`, by name ((name, required) pairs); a
     required one that is missing, or any that no longer loads, is refused."""

@@ -2,14 +2,16 @@
 
 `SourceEngine(root)` hands out module objects built from the sources under
 `root/sglang/...` (an unpacked wheel, a site-packages folder, or a wheel file that is
-unpacked first): classes with their own methods, functions and methods with their
-real signatures (as `__signature__`), msgspec struct and dataclass fields in order,
-module-level names, names bound by `from ... import ...` resolved through the same
+unpacked first): classes with their own methods and, as bases, their bases read from the
+same tree, functions and methods with their real signatures (as `__signature__`),
+msgspec struct and dataclass fields in order (inherited ones first, as msgspec and
+dataclasses collect them along the MRO), module-level names, names bound by `from ... import ...` resolved through the same
 tree, and `__file__` pointing at the real source so that call sites can be read.
 Nothing of the engine runs. The adapters' `check(module)` runs unchanged on these.
 
 What this cannot see: anything computed at import or run time (attributes set in
-`__init__`, decorators that replace a function, values of module constants).
+`__init__`, decorators that replace a function, values of module constants), and bases
+from outside the tree (their methods and fields).
 
 What it reads is untrusted input: only regular files, within size limits (MEMBER_LIMIT,
 TOTAL_LIMIT); anything else is an `EngineSourceError`, one line for the user.
@@ -50,10 +52,15 @@ def _mib(size: int) -> str:
 
 
 class SourceOnly:
-    """A module-level value known only by its name in the source."""
+    """A value known only by its name in the source (and, where it is assigned there, by
+    the expression it is assigned)."""
 
-    def __init__(self, where: str):
-        self.where = where
+    def __init__(self, where: str, node: Optional[ast.expr] = None):
+        self.where, self._node = where, node
+
+    @property
+    def expression(self) -> Optional[str]:
+        return ast.unparse(self._node) if self._node is not None else None
 
     def __repr__(self) -> str:
         return f"<source-only {self.where}>"
@@ -64,7 +71,7 @@ def _value(node, where: str):
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return SourceOnly(where)
+        return SourceOnly(where, node)
 
 
 class _Default:
@@ -115,6 +122,7 @@ def _function(node, module_name: str, qualname: str, text: str):
     source_only.__name__, source_only.__qualname__, source_only.__module__ = node.name, qualname, module_name
     source_only.__signature__ = _signature(node.args)
     source_only.__source_text__ = _segment(text, node)
+    source_only.__source_line__ = node.lineno  # where that text starts in the file (its def line)
     decorators = {ast.unparse(d) for d in node.decorator_list}
     if "staticmethod" in decorators:
         return staticmethod(source_only)
@@ -125,7 +133,9 @@ def _function(node, module_name: str, qualname: str, text: str):
     return source_only
 
 
-def _class(node: ast.ClassDef, module_name: str, text: str, prefix: str = ""):
+def _class(node: ast.ClassDef, module_name: str, text: str, prefix: str = "", resolve=lambda base: None):
+    """The class `node` defines, with its own methods and, as bases, those of its bases that
+    `resolve` (a base's expression -> a class read from the same tree, or None) finds."""
     qualname = prefix + node.name
     namespace = {"__module__": module_name, "__qualname__": qualname}
     fields = []
@@ -133,7 +143,7 @@ def _class(node: ast.ClassDef, module_name: str, text: str, prefix: str = ""):
         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
             namespace[item.name] = _function(item, module_name, f"{qualname}.{item.name}", text)
         elif isinstance(item, ast.ClassDef):
-            namespace[item.name] = _class(item, module_name, text, qualname + ".")
+            namespace[item.name] = _class(item, module_name, text, qualname + ".", resolve)
         elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
             if not ast.unparse(item.annotation).startswith(("ClassVar", "typing.ClassVar")):
                 fields.append(item.target.id)
@@ -142,13 +152,39 @@ def _class(node: ast.ClassDef, module_name: str, text: str, prefix: str = ""):
             for target in item.targets:
                 if isinstance(target, ast.Name) and not target.id.startswith("__"):  # e.g. __slots__
                     namespace[target.id] = _value(item.value, f"{qualname}.{target.id}")
-    bases = [ast.unparse(b) for b in node.bases]
-    if any(b.split(".")[-1] == "Struct" for b in bases):
-        namespace["__struct_fields__"] = tuple(fields)
+    names = [ast.unparse(b) for b in node.bases]
+    namespace["__source_bases__"] = tuple(names)
+    bases = tuple(dict.fromkeys(found for found in map(resolve, node.bases) if found is not None))
+    try:
+        cls = type(node.name, bases, namespace)
+    except TypeError:  # bases Python itself could not order: their methods and fields are not seen
+        cls = type(node.name, (), namespace)
+    # Fields as msgspec and dataclasses collect them: the bases' from the farthest in the MRO,
+    # then the class's own; a field redefined keeps its first place.
+    if any(n.split(".")[-1] == "Struct" for n in names) or hasattr(cls, "__struct_fields__"):
+        cls.__struct_fields__ = _fields(cls, "__struct_fields__", fields)
     if any(ast.unparse(d).split("(")[0].split(".")[-1] == "dataclass" for d in node.decorator_list):
-        namespace["__dataclass_fields__"] = dict.fromkeys(fields)
-    namespace["__source_bases__"] = tuple(bases)
-    return type(node.name, (), namespace)
+        cls.__dataclass_fields__ = dict.fromkeys(_fields(cls, "__dataclass_fields__", fields))
+    return cls
+
+
+def _fields(cls, kind: str, own: list) -> tuple:
+    found = {}
+    for base in reversed(cls.__mro__[1:]):
+        found.update(dict.fromkeys(vars(base).get(kind, ())))
+    found.update(dict.fromkeys(own))
+    return tuple(found)
+
+
+def _source_class(module, base: ast.expr):
+    """The class a base's expression (`Name`, `package.Name`) names in `module`, where it is a
+    class read from the same tree; None for anything else (msgspec.Struct, Generic[T])."""
+    found, parts = module, ast.unparse(base).split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    for part in parts:
+        found = getattr(found, part, None)  # a name imported from the tree resolves here
+    return found if isinstance(found, type) and "__source_bases__" in vars(found) else None
 
 
 class _Imported:
@@ -235,7 +271,7 @@ class SourceEngine:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             setattr(module, node.name, _function(node, name, node.name, text))
         elif isinstance(node, ast.ClassDef):
-            setattr(module, node.name, _class(node, name, text))
+            setattr(module, node.name, _class(node, name, text, resolve=lambda base: _source_class(module, base)))
         elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 if isinstance(target, ast.Name):

@@ -251,13 +251,21 @@ def _folded_wrapper(contract: Contract, engine) -> tuple:
 
 def _built_by_keywords(contract: Contract) -> bool:
     """AcceptOuts takes its fields as read_accept passes them, one keyword each, and runs
-    nothing of its own (no __init__, __new__, __post_init__, init=False): the cheap form
+    nothing of its own (no __init__, __new__, __post_init__, init=False), nor do the bases
+    it inherits from, each a class of the module down to msgspec.Struct: the cheap form
     builds it the same way."""
-    cls = _classes(contract.source()).get("AcceptOuts")
-    if cls is None:
-        return False
-    own = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__new__", "__post_init__")]
-    return not own and "init=False" not in ast.unparse(cls)
+    classes, pending, seen = _classes(contract.source()), ["AcceptOuts"], set()
+    while pending:
+        name = pending.pop()
+        cls = classes.get(name)
+        if cls is None or name in seen:  # a base from elsewhere, or one met twice: not followed, general form
+            return False
+        seen.add(name)
+        own = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__new__", "__post_init__")]
+        if own or "init=False" in ast.unparse(cls):
+            return False
+        pending += [name for name in map(ast.unparse, cls.bases) if name != "msgspec.Struct"]
+    return True
 
 
 def _defined_elsewhere(engine, contract: Contract) -> list:

@@ -26,6 +26,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -292,8 +293,8 @@ def _loader_problem(module, text: str) -> Optional[str]:
 @functools.lru_cache(maxsize=16)
 def _loader_problem_of(module, text: str, loader) -> Optional[str]:
     func = syntax.parse(text).body[0]
-    first = getattr(func, "lineno", 1)
-    line = lambda node: f"{module.__file__}:{node.lineno + _start(module, first) - first}"  # noqa: E731
+    start = _start(module)
+    line = lambda node: module.__file__ + (f":{start + node.lineno - 1}" if start else "")  # noqa: E731
     local = any(isinstance(n, ast.ImportFrom) and n.module == PLUGINS and any(a.name == LOADER for a in n.names)
                 for n in ast.walk(func))
     if not local and not _is_loader(loader):
@@ -320,14 +321,12 @@ def _called(call: ast.Call) -> Optional[str]:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
 
 
-def _start(module, fallback: int) -> int:
-    """The line `run_scheduler_process` starts on in its file."""
+def _start(module) -> Optional[int]:
+    """The line of its file on which the text of `run_scheduler_process` that was checked
+    (Contract.function_source: its decorators first, through any functools.wraps) starts."""
     func = getattr(module, RUNNER)
-    code = getattr(func, "__code__", None)
-    if code is not None:
-        return code.co_firstlineno
-    text = getattr(func, "__source_text__", None)
-    if text is not None:
-        source = open(module.__file__, encoding="utf-8").read()
-        return source[: source.index(text)].count("\n") + 1
-    return fallback
+    start = getattr(func, "__source_line__", None)  # read from a release's sources: its own stub has a __code__
+    if start is not None:
+        return start
+    code = getattr(inspect.unwrap(func), "__code__", None)
+    return code.co_firstlineno if code is not None else None

@@ -7,7 +7,9 @@ torch.distributed group, or `launcher` for every other process (the image's entr
 doctor). Text lines read `[sglang-adapters] pid=N rank=R <message>`; with
 DSV41_ADAPTERS_LOG=json each line is one JSON object instead, with a UTC timestamp, the
 message, and the line's own fields (an adapter's full reason, a site's counts) for log
-pipelines. Lines go to stderr, flushed, as the engine's own log does.
+pipelines. Lines go to stderr, flushed, as the engine's own log does; a stderr that cannot be
+written loses the line and raises nothing, as the engine's logging does (a refusal still stops
+the start: it is raised, not only printed).
 """
 
 from __future__ import annotations
@@ -94,5 +96,8 @@ def render(message: str, form: Optional[str] = None, **fields) -> str:
 
 def emit(message: str, form: Optional[str] = None, **fields) -> str:
     line = render(message, form, **fields)
-    print(line, file=sys.stderr, flush=True)
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr full, gone or closed: the line is lost, never the process
+        pass
     return line

@@ -12,25 +12,35 @@ rank records there is served with the engine's own metrics. Each rank records, l
                                                                     _diverged_elements_total (adapter.tp_divergence.divergence)
 
 Gauges use the engine's multiprocess mode (`mostrecent`): one value per label set, the rank
-being a label. Without the folder (metrics off) nothing is recorded and prometheus_client is
-not imported.
+being a label. Without the folder (metrics off), and with the whole pack off (DSV41_ADAPTERS),
+nothing is recorded and prometheus_client is not imported.
+
+Metrics never stop a process: prometheus_client opens a file per process and kind
+(`gauge_mostrecent_<pid>.db`, `counter_<pid>.db`) in the folder when a value is first made,
+which raises OSError where the folder is a file, missing, read-only or removed since, and that
+can first happen on the decode path. Any failure to record is said in one line and ends the
+pack's metrics in that process.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Optional
 
 from . import log
 
 PREFIX = "sglang_adapters:"
 FOLDER = "PROMETHEUS_MULTIPROC_DIR"
 _made: dict = {}
+_stopped: Optional[str] = None  # why this process records no more metrics
 
 
 def reset() -> None:
-    """Forget the metrics made in this process (tests)."""
+    """Forget the metrics made in this process and why they stopped (tests)."""
+    global _stopped
     _made.clear()
+    _stopped = None
 
 
 def made() -> list[str]:
@@ -39,7 +49,18 @@ def made() -> list[str]:
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return FOLDER in environ
+    return FOLDER in environ and _stopped is None
+
+
+def stopped() -> Optional[str]:
+    """Why this process records no metrics of the pack any more, or None."""
+    return _stopped
+
+
+def _stop(why: str) -> None:
+    global _stopped
+    _stopped = why
+    log.emit(f"metrics: none from the pack in this process: {why}", metrics="off", reason=why)
 
 
 def _metric(kind: str, name: str, doc: str, labels):
@@ -49,7 +70,7 @@ def _metric(kind: str, name: str, doc: str, labels):
         try:
             import prometheus_client
         except ImportError as exc:  # the engine requires it; without it, the lines still say everything
-            log.emit(f"no Prometheus metrics ({exc})")
+            _stop(f"prometheus_client cannot be imported ({exc})")
             _made[name] = None
         else:
             mode = {"multiprocess_mode": "mostrecent"} if kind == "Gauge" else {}
@@ -57,21 +78,40 @@ def _metric(kind: str, name: str, doc: str, labels):
     return _made[name]
 
 
+def _record(kind: str, name: str, doc: str, labels: dict, value: float) -> None:
+    """Set the gauge, or add to the counter, `name` for this rank and `labels`. The pack's
+    boundary with prometheus_client: a failure is said once and recording stops, never
+    raised into the engine's start-up or its decode step."""
+    try:
+        metric = _metric(kind, name, doc, sorted(labels))
+        if metric is None:
+            return
+        child = metric.labels(rank=log.process_label(), **labels)  # opens the folder's file the first time
+        if kind == "Gauge":
+            child.set(value)
+        else:
+            child.inc(value)
+    except Exception as exc:  # noqa: BLE001 - a metric is never worth a process
+        failed = "cannot be written" if isinstance(exc, OSError) else "could not be recorded into"
+        _stop(f"{FOLDER}={os.environ.get(FOLDER)!r} {failed} ({type(exc).__name__}: {exc})")
+
+
 def mark(name: str, doc: str, **labels) -> None:
     """Gauge `name` at 1 for this rank and these labels."""
-    if enabled() and (gauge := _metric("Gauge", name, doc, sorted(labels))) is not None:
-        gauge.labels(rank=log.process_label(), **labels).set(1)
+    if enabled():
+        _record("Gauge", name, doc, labels, 1)
 
 
 def count(name: str, doc: str, value: int = 1, **labels) -> None:
     """Counter `name` (served as `name`_total) up by `value` for this rank and these labels."""
-    if enabled() and (counter := _metric("Counter", name, doc, sorted(labels))) is not None:
-        counter.labels(rank=log.process_label(), **labels).inc(value)
+    if enabled():
+        _record("Counter", name, doc, labels, value)
 
 
 def outcomes(decision, environ: Mapping[str, str] = os.environ) -> None:
-    """Each adapter's outcome in this process (runtime.apply_once)."""
-    if enabled(environ):
+    """Each adapter's outcome in this process (runtime.apply_once); nothing when the whole
+    pack is off: the rollback leaves the metrics folder as the engine alone would."""
+    if enabled(environ) and not decision.switched_off:
         for outcome in decision.outcomes:
             mark("adapter_outcome", "1 for the outcome of each adapter of the pack in this rank",
                  adapter=outcome.adapter, flag=outcome.flag, outcome=outcome.state)

@@ -234,12 +234,7 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS, topology: Op
         reason = f"{MASTER}=off: the whole pack is off"
         outcomes = tuple(Outcome(n, a.flag, environ.get(a.flag), OFF, reason, engine.version) for n, a in adapters.items())
         return Decision(engine.version, outcomes, {}, switched_off=True, topology=topology, judged=judged)
-    settings, flag_errors = {}, {}
-    for name, adapter in adapters.items():
-        try:
-            settings[name] = adapter.parse(environ)
-        except FlagError as exc:
-            settings[name], flag_errors[name] = None, str(exc)
+    settings, flag_errors = _parse(adapters, environ)
     outcomes, plans, handed = {}, {}, {}
     for name in order(names):
         adapter = adapters[name]
@@ -261,6 +256,26 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS, topology: Op
     return Decision(engine.version, tuple(outcomes[n] for n in names), plans, problems,
                     flag_errors=tuple(flag_errors.values()) + flag_problems, settings=settings, topology=topology,
                     judged=judged)
+
+
+def _parse(adapters: Mapping[str, Surface], environ: Mapping[str, str]) -> tuple[dict, dict]:
+    """Each adapter's setting (None where its flag is not understood), and its flag's error."""
+    settings, errors = {}, {}
+    for name, adapter in adapters.items():
+        try:
+            settings[name] = adapter.parse(environ)
+        except FlagError as exc:
+            settings[name], errors[name] = None, str(exc)
+    return settings, errors
+
+
+def flag_errors(environ: Mapping[str, str]) -> list[str]:
+    """The pack's flags not understood in `environ`, as decide() finds them (Decision.flag_errors),
+    without judging any engine: what --help checks."""
+    if switched_off(environ):
+        return []
+    _, errors = _parse({name: load(name) for name in ADAPTERS}, environ)
+    return list(errors.values()) + unknown_flags(environ) + switch_problems(environ)
 
 
 def engine_check(adapter: Surface, engine=None, topology: Optional[Topology] = None) -> tuple[str, str]:
