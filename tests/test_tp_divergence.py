@@ -194,7 +194,8 @@ def test_on_0523_wraps_spec_tp_sync_and_names_the_sites(clean_env):
     original = vars(SpecTpSync)["sync"]
     decision, outcome = decide({t.FLAG: "1"})
     assert outcome.state == runtime.APPLIED
-    assert "SGLANG_SPEC_TP_SYNC unset (default 'all'; the engine sets 'rng' itself where it is unset (minimax_m3.py:" in outcome.reason
+    assert "SGLANG_SPEC_TP_SYNC unset (the class's own default; the engine sets 'rng' itself where it is unset " \
+        "(minimax_m3.py:" in outcome.reason
     assert "not compared: 1:dspark-mem, 12:dflash-mem" in outcome.reason and "off:" not in outcome.reason
     runtime.apply(decision)
     assert vars(SpecTpSync)["sync"].__wrapped__ is original
@@ -234,9 +235,19 @@ def test_engine_check_on_the_release_sources():
     assert outcome.state == runtime.APPLIED and "off in DSV41_SPEC_TP_SYNC: 17:dspark-draft" in outcome.reason
 
 
+def test_a_renamed_parameter_of_sync_is_recognised(clean_env):
+    """sync(site, tensor) does what sync(site, values) did (every engine caller passes both
+    positionally, shown from its source): the same broadcast, recognised by running it."""
+    drift = Drift(SYNC, "    def sync(self, site: SpecTpSyncSite, values: torch.Tensor)",
+                  "    def sync(self, site: SpecTpSyncSite, tensor: torch.Tensor) -> torch.Tensor:\n"
+                  "        values = tensor\n        return self._sync(site, values)\n\n"
+                  "    def _sync(self, site: SpecTpSyncSite, values: torch.Tensor)", f"{SYNC}:SpecTpSync.sync")
+    outcome = runtime.decide({t.FLAG: "1"}, drift.engine(), names=(t.NAME,)).outcomes[0]
+    assert outcome.state == runtime.APPLIED, outcome.reason
+    assert "its sync(site, t) broadcasts t itself once from rank 0" in outcome.reason
+
+
 @pytest.mark.parametrize("old,new,symbol", [
-    ("    def sync(self, site: SpecTpSyncSite, values: torch.Tensor)", "    def sync(self, site: SpecTpSyncSite, tensor: torch.Tensor)",
-     "SpecTpSync.sync"),
     ("            self._tp_group.broadcast(values, src=0)\n        return values",
      "            return self._tp_group.broadcast(values.clone(), src=0)\n        return values", "SpecTpSync.sync"),
     ("    def enabled(self, site: SpecTpSyncSite)", "    def is_enabled(self, site: SpecTpSyncSite)", "SpecTpSync.enabled"),
@@ -265,8 +276,8 @@ def test_doctor_reports_the_sites(clean_env):
     assert row["setting"] == {"every": 1000, "abort": False}
     assert "off: 17:dspark-draft" in row["reason"] and "handed over from DSV41_SPEC_TP_SYNC" in row["reason"]
     # doctor names what was proven of the engine's SpecTpSync, and for which deployment
-    assert "shown from its source: SpecTpSync reads SGLANG_SPEC_TP_SYNC live" in row["reason"]
+    assert "shown from its source: its own class, run over a group of two ranks" in row["reason"]
     assert "for every deployment (server arguments unknown)" in row["reason"]
     rank0 = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == "rank0_broadcast")
-    assert rank0["outcome"] == "superseded" and "sync(site, values) broadcasts `values` itself" in rank0["reason"]
+    assert rank0["outcome"] == "superseded" and "its sync(site, t) broadcasts t itself" in rank0["reason"]
     assert os.environ.get("SGLANG_SPEC_TP_SYNC") is None

@@ -37,6 +37,7 @@ import bisect
 import functools
 import json
 import os
+import re
 import types
 from typing import Optional
 
@@ -184,10 +185,15 @@ def _seen(contract: Contract, value: Optional[str], part: str = "") -> dict:
     if value is not None and seen["parse_error"]:
         raise _unparsed_value(contract, value, seen["parse_error"])
     if seen["built_error"]:
-        raise contract.refuse(CLASS, f"built with {_said(value)} it raises {seen['built_error']}")
-    problems = seen["problems"] + (seen[f"{part}_problems"] if part else [])
-    if problems:
-        raise contract.refuse(CLASS, f"run against its own code ({_said(value)}): {problems[0]}")
+        missing = re.search(r"object has no attribute '(\w+)'", seen["built_error"])
+        symbol = f"{CLASS}.{missing.group(1)}" if missing else CLASS  # a method it no longer has, named
+        raise contract.refuse(symbol, f"built with {_said(value)} it raises {seen['built_error']}")
+    if seen["problems"]:
+        raise contract.refuse(CLASS, f"run against its own code ({_said(value)}): {seen['problems'][0]}")
+    if part and seen[f"{part}_problems"]:
+        method = {"sync": "sync", "probe": "available_memory_gb"}[part]
+        raise contract.refuse(f"{CLASS}.{method}", f"run against its own code ({_said(value)}): "
+                                                   f"{seen[f'{part}_problems'][0]}")
     chosen = seen["selected"]["2"]
     if value is not None and chosen != seen["parse"]:
         raise contract.refuse(CLASS, f"built with {_said(value)} over two ranks it selects {chosen}, not what its "
