@@ -106,3 +106,31 @@ def test_inherited_fields_read_from_source_are_those_python_gives(tmp_path):
     assert imported["C"] == ["a", "b", "c", "d"] and imported["NotDecorated"] == ["a", "b", "c"]  # Python's own order
     module = SourceEngine(tmp_path, version="0.5.23").module("sglang.srt.shapes")
     assert {name: fields_of(getattr(module, name)) for name in imported} == imported
+
+
+def test_a_release_newer_than_the_table_is_judged_without_a_code_change(tmp_path, monkeypatch, capsys):
+    """The registry offers a release the committed table does not hold (here a 0.5.24 built from
+    0.5.23 with upstream's open fixes): --check judges it, says so, and still compares the
+    committed rows; writing the table adds its row."""
+    import sys
+
+    from harness import next_release
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compat_matrix
+
+    newer = next_release.tree(tmp_path / "0.5.24", ["39954-pr", "40246-pr", "31195"], "0.5.24")
+    trees = {"0.5.23": SITE_PACKAGES, "0.5.24": newer}
+    monkeypatch.setattr(compat_matrix, "source_tree", lambda version: trees[version])
+    monkeypatch.setattr(compat_matrix, "DOC", tmp_path / "COMPATIBILITY.md")
+    monkeypatch.setattr(compat_matrix, "registry_releases", lambda: ["0.5.23"])
+    assert compat_matrix.main([]) == 0  # the committed table: 0.5.23 alone
+    monkeypatch.setattr(compat_matrix, "registry_releases", lambda: ["0.5.23", "0.5.24"])
+    capsys.readouterr()
+    assert compat_matrix.main(["--check"]) == 0
+    said = capsys.readouterr().err
+    assert "new on the registry: sglang 0.5.24: folded_fence applied, rank0_broadcast applied, " \
+           "group_min_memory superseded, tp_divergence applied" in said
+    assert "matches the 1 releases" in said
+    assert compat_matrix.main([]) == 0
+    assert "| 0.5.24 | applied | applied | superseded | applied |" in (tmp_path / "COMPATIBILITY.md").read_text()

@@ -54,6 +54,11 @@ def registry_releases() -> list[str]:
     return sorted((v for v in final if tuple(int(x) for x in v.split(".")[:3]) >= FIRST), key=release_key)
 
 
+def _shown(path: pathlib.Path) -> str:
+    """A path as said: relative to the repository where it lies inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def committed_releases() -> list[str]:
     """The releases the committed document's first table holds."""
     text = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
@@ -181,13 +186,13 @@ def main(argv=None) -> int:
         if committed != text:
             sys.stdout.writelines(difflib.unified_diff(committed.splitlines(True), text.splitlines(True),
                                                        "docs/COMPATIBILITY.md (committed)", "recomputed"))
-            print(f"\n{DOC.relative_to(ROOT)} is out of date: run `python tools/compat_matrix.py` and review the diff",
+            print(f"\n{_shown(DOC)} is out of date: run `python tools/compat_matrix.py` and review the diff",
                   file=sys.stderr)
             return 1
-        print(f"{DOC.relative_to(ROOT)} matches the {len(releases)} releases", file=sys.stderr)
+        print(f"{_shown(DOC)} matches the {len(releases)} releases", file=sys.stderr)
         return 0
     DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC.relative_to(ROOT)} ({len(releases)} releases)", file=sys.stderr)
+    print(f"wrote {_shown(DOC)} ({len(releases)} releases)", file=sys.stderr)
     return 0
 
 
