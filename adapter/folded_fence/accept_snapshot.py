@@ -59,12 +59,12 @@ DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre
 
 # The boundary check's native scan (fence_boundary): host-side C++ over the CPython API, no
 # CUDA, in the bindings' file. `boundary_scan(...)` binds the walk's tables and one epilogue's
-# state and storages, and returns a plain CPython callable `scan(result, epilogue)`: True only
-# where fence_boundary's Python walk would find no route and report nothing; False (unsure)
-# for anything it does not read exactly as that walk does, which then runs the walk.
-# `boundary_check(...)` is fence_boundary.check_results in C over those scans, and
-# `report_sync(...)` tp_divergence's wrapper of SpecTpSync.sync in C (its common eager call):
-# each hands its Python form what it does not do itself.
+# memory map, and returns a plain CPython callable `scan(result, epilogue)`: True only where
+# the map still holds (fence_boundary._fresh) and fence_boundary's Python walk would find no
+# route and report nothing; False (unsure) for anything it does not read exactly as that walk
+# does, which then runs the walk. `boundary_check(...)` is fence_boundary.check_results in C
+# over those scans, and `report_sync(...)` tp_divergence's wrapper of SpecTpSync.sync in C
+# (its common eager call): each hands its Python form what it does not do itself.
 _SCAN_SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/impl/COW.h>
@@ -72,87 +72,80 @@ _SCAN_SOURCE = r"""
 #include <cstdint>
 
 namespace {
+// One holder of the epilogue's memory as fence_boundary._map walked it.
+struct Node {
+  PyObject* holder;              // nullptr: the epilogue itself
+  std::vector<PyObject*> slots;  // the values it held, or the free / beyond markers (owned references)
+};
+
 struct BoundaryScan {
   PyObject* kinds;    // holders.KINDS: type -> kind (owned references, all of them)
   PyObject* layouts;  // holders._layouts: type -> (names outside __dict__, has __dict__)
   PyObject *leaf, *tensor, *sequence, *mapping, *holder;  // the kind strings, compared by identity
   PyObject *plain_tensor, *parameter;                     // the tensor types read directly
   PyObject* dict_name;
-  std::vector<PyObject*> watched;   // the epilogue's watched attribute names ...
-  std::vector<uintptr_t> ids;       // ... and the ids of the values they held at the bind
-  Py_ssize_t attributes;            // the number of its attributes then
-  std::vector<uintptr_t> storages;  // its tensors' storage addresses
+  PyObject* owner;                  // a weak reference to the epilogue (or the epilogue, where it takes none)
+  PyObject *free, *beyond, *any;    // fence_boundary._FREE, _BEYOND and _ANY
+  std::vector<Node> nodes;          // the epilogue's memory as mapped ...
+  std::vector<PyObject*> tensors;   // ... the tensors in it ...
+  std::vector<uintptr_t> addresses; // ... and their storages' addresses then
+  std::vector<uintptr_t> storages;  // the map's storages
   int max_depth;
   long max_values;
   ~BoundaryScan() {
-    for (PyObject* o : {kinds, layouts, leaf, tensor, sequence, mapping, holder, plain_tensor, parameter, dict_name}) Py_XDECREF(o);
-    for (PyObject* o : watched) Py_XDECREF(o);
+    for (PyObject* o : {kinds, layouts, leaf, tensor, sequence, mapping, holder, plain_tensor, parameter, dict_name,
+                        owner, free, beyond, any}) Py_XDECREF(o);
+    for (Node& n : nodes) {
+      Py_XDECREF(n.holder);
+      for (PyObject* o : n.slots) Py_XDECREF(o);
+    }
+    for (PyObject* o : tensors) Py_XDECREF(o);
   }
 };
 
-struct Walk {
-  const BoundaryScan& s;
-  PyObject* epilogue;
-  long left;
-  bool value(PyObject* v, int level);
-  bool holder(PyObject* h, int level);
-  bool dict_values(PyObject* d, int level);
-};
-
-// One value a holder at `level` holds: true where the Python walk skips it or finds it clean.
-bool Walk::value(PyObject* v, int level) {
-  if (v == Py_None) return true;
-  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
-  if (kind == nullptr) return false;  // a type the walk has not met: it fills KINDS
-  if (kind == s.leaf || v == epilogue) return true;
-  if (--left < 0) return false;  // the walk's cut
-  if (kind == s.tensor) {
-    PyObject* tp = (PyObject*)Py_TYPE(v);
-    if (tp != s.plain_tensor && tp != s.parameter) return false;  // a subclass may answer otherwise
-    const at::Tensor& t = THPVariable_Unpack(v);
-    if (!t.has_storage()) return false;
-    const c10::Storage& storage = t.storage();
-    if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return false;  // data_ptr() would materialize it
-    const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
-    return std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end();
-  }
-  if (level >= s.max_depth) return false;  // too deep: the walk reports it
-  return holder(v, level + 1);
-}
-
-bool Walk::dict_values(PyObject* d, int level) {
-  if (!PyDict_CheckExact(d)) return false;
-  const Py_ssize_t size = PyDict_GET_SIZE(d);
-  Py_ssize_t at = 0;
-  PyObject *key, *v;
-  while (PyDict_Next(d, &at, &key, &v)) {
-    Py_INCREF(v);
-    const bool clean = value(v, level);
-    Py_DECREF(v);
-    if (!clean || PyDict_GET_SIZE(d) != size) return false;
-  }
+// Where a tensor's storage lies; false where it has none to read here (data_ptr() would
+// materialize a copy-on-write one).
+bool address_of(const at::Tensor& t, uintptr_t& address) {
+  if (!t.has_storage()) return false;
+  const c10::Storage& storage = t.storage();
+  if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return false;
+  address = reinterpret_cast<uintptr_t>(storage.data());
   return true;
 }
 
-// holders.items(h), each value looked at: true where the walk would report nothing.
-bool Walk::holder(PyObject* h, int level) {
+// holders.items(h)'s values, in its order, each handed to `f` (its false stops the reading); false
+// also where h is not read here exactly as holders.items reads it.
+template <typename F>
+bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   PyTypeObject* tp = Py_TYPE(h);
   PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
   if (kind == nullptr) return false;
   if (kind == s.leaf || kind == s.tensor) return true;  // items() gives nothing
+  auto each = [&](PyObject* v) {
+    Py_INCREF(v);
+    const bool go_on = f(v);
+    Py_DECREF(v);
+    return go_on;
+  };
+  auto dict_values = [&](PyObject* d) {
+    if (!PyDict_CheckExact(d)) return false;
+    const Py_ssize_t size = PyDict_GET_SIZE(d);
+    Py_ssize_t at = 0;
+    PyObject *key, *v;
+    while (PyDict_Next(d, &at, &key, &v)) {
+      if (!each(v) || PyDict_GET_SIZE(d) != size) return false;
+    }
+    return true;
+  };
   if (kind == s.sequence) {  // enumerate(h): the base type's own iterator only
     const bool list = PyList_Check(h) && tp->tp_iter == PyList_Type.tp_iter;
     if (!list && !(PyTuple_Check(h) && tp->tp_iter == PyTuple_Type.tp_iter)) return false;
     for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(h) : PyTuple_GET_SIZE(h)); ++i) {
-      PyObject* v = list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i);
-      Py_INCREF(v);
-      const bool clean = value(v, level);
-      Py_DECREF(v);
-      if (!clean) return false;
+      if (!each(list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i))) return false;
     }
     return true;
   }
-  if (kind == s.mapping) return PyDict_CheckExact(h) && dict_values(h, level);  // a subclass may read otherwise
+  if (kind == s.mapping) return dict_values(h);  // a subclass may read otherwise
   if (kind != s.holder) return false;
   PyObject* layout = PyDict_GetItemWithError(s.layouts, (PyObject*)tp);
   if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2) return false;
@@ -165,31 +158,82 @@ bool Walk::holder(PyObject* h, int level) {
       PyErr_Clear();
       continue;
     }
-    const bool clean = value(v, level);
+    const bool go_on = f(v);
     Py_DECREF(v);
-    if (!clean) return false;
+    if (!go_on) return false;
   }
   if (PyTuple_GET_SIZE(names) != 0 && PyTuple_GET_ITEM(layout, 1) != Py_True) return true;
   PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
   if (d == nullptr) return false;
-  const bool clean = dict_values(d, level);
+  const bool done = dict_values(d);
   Py_DECREF(d);
-  return clean;
+  return done;
 }
 
-// fence_boundary.persistent_storages' test that its map still holds: the same number of
-// attributes, the watched ones bound to the same objects.
-bool same_state(const BoundaryScan& s, PyObject* epilogue) {
-  PyObject* d = PyObject_GetAttr(epilogue, s.dict_name);
-  if (d == nullptr) return false;
-  bool same = PyDict_CheckExact(d) && PyDict_GET_SIZE(d) == s.attributes;
-  for (size_t i = 0; same && i < s.watched.size(); ++i) {
-    PyObject* v = PyDict_GetItemWithError(d, s.watched[i]);
-    if (v == nullptr && PyErr_Occurred()) same = false;
-    else same = reinterpret_cast<uintptr_t>(v ? v : Py_None) == s.ids[i];
+struct Walk {
+  const BoundaryScan& s;
+  PyObject* epilogue;
+  long left;
+  bool value(PyObject* v, int level);
+  bool holder(PyObject* h, int level) {
+    return each_value(s, h, [&](PyObject* v) { return value(v, level); });
   }
-  Py_DECREF(d);
-  return same;
+};
+
+// One value a holder at `level` holds: true where the Python walk skips it or finds it clean.
+bool Walk::value(PyObject* v, int level) {
+  if (v == Py_None) return true;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  if (kind == nullptr) return false;  // a type the walk has not met: it fills KINDS
+  if (kind == s.leaf || v == epilogue) return true;
+  if (--left < 0) return false;  // the walk's cut
+  if (kind == s.tensor) {
+    PyObject* tp = (PyObject*)Py_TYPE(v);
+    if (tp != s.plain_tensor && tp != s.parameter) return false;  // a subclass may answer otherwise
+    uintptr_t address;
+    return address_of(THPVariable_Unpack(v), address) &&
+           std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end();
+  }
+  if (level >= s.max_depth) return false;  // too deep: the walk reports it
+  return holder(v, level + 1);
+}
+
+bool is_leaf(const BoundaryScan& s, PyObject* v) {
+  return PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v)) == s.leaf;
+}
+
+// fence_boundary._same: `v` may stand where the map found `slot`.
+bool same_slot(const BoundaryScan& s, PyObject* v, PyObject* slot) {
+  if (v == slot || slot == s.any) return true;
+  if (slot == s.free) {
+    if (!PyTuple_CheckExact(v)) return is_leaf(s, v);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v); ++i) {
+      if (!is_leaf(s, PyTuple_GET_ITEM(v, i))) return false;
+    }
+    return true;
+  }
+  if (slot != s.beyond) return false;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  return kind != nullptr && kind != s.tensor;
+}
+
+// fence_boundary._fresh: the same epilogue, every holder mapped holding what it held, every
+// tensor over the storage it had (a buffer re-pointed in place is the same object over other memory).
+bool same_state(const BoundaryScan& s, PyObject* epilogue) {
+  if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
+  for (const Node& n : s.nodes) {
+    size_t at = 0;
+    const bool read = each_value(s, n.holder ? n.holder : epilogue, [&](PyObject* v) {
+      return at < n.slots.size() && same_slot(s, v, n.slots[at++]);
+    });
+    if (!read || at != n.slots.size()) return false;
+  }
+  for (size_t i = 0; i < s.tensors.size(); ++i) {  // the storage itself, whatever a subclass would say
+    uintptr_t address;
+    if (!THPVariable_Check(s.tensors[i]) || !address_of(THPVariable_Unpack(s.tensors[i]), address) ||
+        address != s.addresses[i]) return false;
+  }
+  return true;
 }
 
 const char kScanCapsule[] = "dsv41.boundary_scan";
@@ -250,7 +294,7 @@ PyObject* bound_scan(const BoundaryCheck& c, PyObject* epilogue) {
   if (key == nullptr) return nullptr;
   PyObject* cached = PyDict_GetItemWithError(c.storages, key);
   Py_DECREF(key);
-  if (cached == nullptr || !PyTuple_CheckExact(cached) || PyTuple_GET_SIZE(cached) != 5) return nullptr;
+  if (cached == nullptr || !PyTuple_CheckExact(cached) || PyTuple_GET_SIZE(cached) != 7) return nullptr;
   PyObject* scan = PyTuple_GET_ITEM(cached, 4);
   if (!PyCFunction_Check(scan) || PyCFunction_GET_FUNCTION(scan) != (PyCFunction)(void (*)(void))scan_call) return nullptr;
   Py_INCREF(scan);  // the walk may run Python (a property) that drops it from the map
@@ -503,9 +547,11 @@ pybind11::object report_sync(pybind11::object slow, pybind11::dict state, pybind
 }
 
 pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pybind11::tuple kind_names,
-                               pybind11::tuple tensor_types, pybind11::tuple watched, std::vector<uint64_t> ids,
-                               int64_t attributes, std::vector<uint64_t> storages, int64_t max_depth, int64_t max_values) {
-  TORCH_CHECK(kind_names.size() == 5 && tensor_types.size() == 2 && watched.size() == ids.size(), "boundary_scan: bad arguments");
+                               pybind11::tuple tensor_types, pybind11::object owner, pybind11::tuple markers,
+                               pybind11::list nodes, pybind11::list tensors, std::vector<uint64_t> addresses,
+                               std::vector<uint64_t> storages, int64_t max_depth, int64_t max_values) {
+  TORCH_CHECK(kind_names.size() == 5 && tensor_types.size() == 2 && markers.size() == 3 &&
+              tensors.size() == addresses.size(), "boundary_scan: bad arguments");
   auto* s = new BoundaryScan{};
   auto own = [](pybind11::handle h) { return h.inc_ref().ptr(); };
   s->kinds = own(kinds);
@@ -518,9 +564,17 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
   s->plain_tensor = own(tensor_types[0]);
   s->parameter = own(tensor_types[1]);
   s->dict_name = PyUnicode_InternFromString("__dict__");
-  for (auto name : watched) s->watched.push_back(own(name));
-  s->ids.assign(ids.begin(), ids.end());
-  s->attributes = (Py_ssize_t)attributes;
+  s->owner = own(owner);
+  s->free = own(markers[0]);
+  s->beyond = own(markers[1]);
+  s->any = own(markers[2]);
+  for (auto node : nodes) {  // (holder or None, slots, how _fresh reads it)
+    auto pair = node.cast<pybind11::tuple>();
+    s->nodes.push_back(Node{pair[0].is_none() ? nullptr : own(pair[0]), {}});
+    for (auto slot : pair[1].cast<pybind11::tuple>()) s->nodes.back().slots.push_back(own(slot));
+  }
+  for (auto t : tensors) s->tensors.push_back(own(t));
+  s->addresses.assign(addresses.begin(), addresses.end());
   s->storages.assign(storages.begin(), storages.end());
   s->max_depth = (int)max_depth;
   s->max_values = (long)max_values;
