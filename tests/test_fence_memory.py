@@ -1,17 +1,19 @@
-"""The boundary check and the general form decide by memory, not by which object held it.
+"""The fence and its boundary check decide by memory, not by which object held it.
 
 An engine may re-point a persistent buffer in place (`buf.set_(other)`, `buf.data = other`,
-a `buf.resize_(...)` that changes its shape), and it may keep tensors in a dict, a list or
-an object below the epilogue. A storage map kept by the epilogue's id, watching its
-attributes by object, would hand that memory out uncopied. Each case is a doctored copy of
-the real sglang 0.5.23 dspark_verify: under the general form its buffers are re-pointed, or
-its folded branch hands out a view of a tensor the epilogue keeps below it. Before each
-fenced call the engine's own call runs unfenced on identical state; field by field, what
-the fence hands out equals it, at several batch sizes, for PROOF_CALLS + 12 calls per batch
-size after each re-pointing, in memory no tensor of the epilogue shares, also once the next
-step rewrote the buffers; the same views leaving the worker are copied by the boundary.
-Each runs with the map tested in Python and by the kernel file's native scan (conftest's
-sm80, built on the CPU: it is host code).
+a `buf.resize_(...)` that changes its shape) or bind a new tensor in its place; and it may
+keep tensors in a dict, a list or an object below the epilogue. In the first three the
+tensor object stays the same: a fence that trusted the object would keep copying the views
+it cut before (another step's values), and a storage map kept by object would hand the new
+memory out uncopied. Each case is a doctored copy of the real sglang 0.5.23 dspark_verify:
+its epilogue re-points its buffers itself, with a helper that names none of them (the
+census, which reads names, lets the cheap form stand), or its folded branch hands out a
+view of a tensor the epilogue keeps below it. Before each fenced call the engine's own call
+runs unfenced on identical state; field by field, what the fence hands out equals it, at
+several batch sizes, for PROOF_CALLS + 12 calls per batch size after each re-pointing, in
+memory no tensor of the epilogue shares, also once the next step rewrote the buffers. Each
+runs with the checks in Python and with the kernel file's C forms (conftest's sm80, built on
+the CPU: they are host code).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ CALLS = fence_forms.PROOF_CALLS + 12  # per batch size, after each re-pointing
 
 @pytest.fixture(params=["python", "native"])
 def checks(request, verify):
-    """The boundary's map test in Python, or in C (the kernel file)."""
+    """The cheap form's view test and the boundary's map test in Python, or in C (the kernel file)."""
     fence_boundary.reset()
     kernel = accept_snapshot.load(str(request.getfixturevalue("sm80")))[0] if request.param == "native" else None
     fence_boundary.use_native(kernel)
+    accept_snapshot.use_checks(kernel)
     yield request.param
+    accept_snapshot.use_checks(None)
     fence_boundary.use_native()
     fence_boundary.reset()
     runtime.revert()
@@ -97,9 +101,79 @@ def fence_on(engine):
     return next(p.wrapper for p in decision.plans[folded_fence.NAME].patches if p.name == "accept_and_finalize"), decision
 
 
-# --- re-pointed buffers: the general form and the boundary ------------------------------------
+# --- re-pointed buffers: the cheap form --------------------------------------------------------
 
 READ_DEF = "    def read_accept(self, bs: int) -> AcceptOuts:\n"
+# How the doctored epilogue's regrow() re-points each buffer; it names none of them.
+REPOINTS = {
+    "set_": "buf.set_(fresh)",
+    ".data =": "buf.data = fresh",
+    "resize_": "buf.resize_(fresh.shape)",
+    "a new object": "setattr(self, name, fresh)",
+}
+
+
+def regrowing(tmp_path, how: str):
+    """The real dspark_verify whose epilogue can regrow its per-request buffers to another
+    max_bs (and its 2-D one to another width), re-pointing each as `how` says."""
+    method = (
+        "    def regrow(self, max_bs: int, width: int) -> None:  # doctored: every per-request buffer re-pointed\n"
+        "        for name, buf in list(vars(self).items()):\n"
+        "            if isinstance(buf, torch.Tensor) and name.endswith('_buf') and buf.shape[0] == self.max_bs:\n"
+        "                fresh = torch.zeros((max_bs,) + ((width,) if buf.dim() == 2 else ()), dtype=buf.dtype)\n"
+        f"                {REPOINTS[how]}\n"
+        "        self.max_bs = max_bs\n\n"
+    )
+    module = doctored_module(V, (READ_DEF, method + READ_DEF), directory=tmp_path)
+    return module, DoctoredEngine({V: module})
+
+
+@pytest.mark.parametrize("how", list(REPOINTS))
+def test_the_cheap_form_copies_a_repointed_buffer_from_its_new_memory(how, checks, tmp_path, monkeypatch):
+    module, engine = regrowing(tmp_path, how)
+    dspark = build_dspark(module)
+    original = vars(module.TargetVerifyExecutor)["accept_and_finalize"]
+    form, decision = fence_on(engine)
+    assert isinstance(form, fence_forms.CheapForm), decision.outcomes[0].reason
+    proofs = []
+    traced = fence_forms.traced
+    monkeypatch.setattr(fence_forms, "traced", lambda *a: proofs.append(a[2]["bs"]) or traced(*a))
+    written = lambda: [getattr(dspark.epilogue, name) for name in BUFFERS]  # noqa: E731 - read at each replay
+    step = engine_then_fence(dspark, original, (1, 5, 16), CALLS, written, 0)
+    assert form.trusted == {1, 5, 16} and sorted(proofs) == sorted([1, 5, 16] * fence_forms.PROOF_CALLS)
+    for max_bs, width, sizes in ((24, 6, (1, 5, 16, 20)), (16, 4, (1, 5, 16, 20))):  # grown, then back
+        dspark.epilogue.regrow(max_bs, width)
+        proofs.clear()
+        step = engine_then_fence(dspark, original, sizes, CALLS, written, step)
+        # each batch size proven again on its new views, then trusted
+        assert form.off is None and form.trusted == set(sizes), form.off
+        assert sorted(proofs) == sorted(list(sizes) * fence_forms.PROOF_CALLS), proofs
+
+
+def test_the_views_test_compares_memory_not_objects(checks):
+    """accept_snapshot.current on one buffer and an alias taken when its views were cut: each
+    way of re-pointing it in place is seen, and each change of the memory's layout."""
+    changes = {
+        "set_ to other memory": lambda buf: buf.set_(torch.zeros(16, 4, dtype=torch.int64)),
+        ".data = other memory": lambda buf: setattr(buf, "data", torch.zeros(16, 4, dtype=torch.int64)),
+        "resize_ to another width": lambda buf: buf.resize_(16, 6),
+        "resize_ to fewer rows": lambda buf: buf.resize_(3, 4),
+        "resize_ to more rows": lambda buf: buf.resize_(24, 4),
+        "set_ to an offset": lambda buf: buf.set_(buf.untyped_storage(), 4, (15, 4), (4, 1)),
+        "set_ to other strides": lambda buf: buf.set_(buf.untyped_storage(), 0, (16, 4), (1, 16)),
+        ".data = another dtype": lambda buf: setattr(buf, "data", buf.view(torch.float64)),
+    }
+    for name, change in changes.items():
+        buf = torch.zeros(16, 4, dtype=torch.int64)
+        was = (buf.detach(),)
+        assert accept_snapshot.current((buf,), (buf,), was), name
+        assert not accept_snapshot.current((buf,), (buf.view(16, 4),), was)  # another object over the same memory
+        change(buf)
+        assert not accept_snapshot.current((buf,), (buf,), was), name
+        assert accept_snapshot.current((buf,), (buf,), (buf.detach(),)), name  # views cut again: current again
+
+
+# --- re-pointed buffers: the general form and the boundary ------------------------------------
 
 def test_the_general_form_and_the_boundary_copy_a_repointed_buffer(checks, tmp_path):
     """read_accept decorated: the general form, whose storage map must follow the buffers; the

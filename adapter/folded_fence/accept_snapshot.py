@@ -63,8 +63,9 @@ DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre
 # the map still holds (fence_boundary._fresh) and fence_boundary's Python walk would find no
 # route and report nothing; False (unsure) for anything it does not read exactly as that walk
 # does, which then runs the walk. `boundary_check(...)` is fence_boundary.check_results in C
-# over those scans, and `report_sync(...)` tp_divergence's wrapper of SpecTpSync.sync in C
-# (its common eager call): each hands its Python form what it does not do itself.
+# over those scans, `report_sync(...)` tp_divergence's wrapper of SpecTpSync.sync in C (its
+# common eager call), `views_check()` the cheap form's per-call test of its cached views
+# (views_current): each hands its Python form what it does not do itself.
 _SCAN_SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/impl/COW.h>
@@ -344,6 +345,42 @@ PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef kCheckMethod = {"boundary_check", (PyCFunction)(void (*)(void))check_call, METH_FASTCALL,
                             "check(wrapped, instance, args, kwargs) -> the wrapped call's result, checked"};
 
+// fence_forms' trusted cheap form, at each call: views_check()(cached, live, was) is True where
+// each buffer the epilogue holds now (`live`) is the very object its views were cut from
+// (`cached`) over the memory it had then (`was`: an alias taken when they were cut): the same
+// storage address, offset, sizes, strides, dtype, device and conj/neg bits, so its views are
+// still what read_accept would cut. A few integers per buffer, nothing allocated; False for
+// anything else (the engine's path then runs, and proves new views).
+bool same_memory(PyObject* buffer, PyObject* was) {
+  if (!THPVariable_Check(buffer) || !THPVariable_Check(was)) return false;
+  const at::Tensor& b = THPVariable_Unpack(buffer);
+  const at::Tensor& w = THPVariable_Unpack(was);
+  uintptr_t mine, then;
+  return address_of(b, mine) && address_of(w, then) && mine == then && b.storage_offset() == w.storage_offset() &&
+         b.dtype() == w.dtype() && b.device() == w.device() && b.is_conj() == w.is_conj() && b.is_neg() == w.is_neg() &&
+         b.sizes().equals(w.sizes()) && b.strides().equals(w.strides());
+}
+
+PyObject* views_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) {
+    Py_RETURN_FALSE;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+  if (PyTuple_GET_SIZE(args[1]) != n || PyTuple_GET_SIZE(args[2]) != n) Py_RETURN_FALSE;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* buffer = PyTuple_GET_ITEM(args[1], i);
+      if (buffer != PyTuple_GET_ITEM(args[0], i) || !same_memory(buffer, PyTuple_GET_ITEM(args[2], i))) Py_RETURN_FALSE;
+    }
+  } catch (...) {
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef kViewsMethod = {"views_check", (PyCFunction)(void (*)(void))views_call, METH_FASTCALL,
+                            "check(cached, live, was) -> True: each live buffer is cached[i] over was[i]'s memory"};
+
 // A C callable over a capsule that owns `state`: what boundary_scan, boundary_check and
 // report_sync return.
 template <typename State>
@@ -537,6 +574,12 @@ pybind11::object boundary_check(pybind11::dict storages, pybind11::object checke
   return bound_function(c, kCheckCapsule, &kCheckMethod);
 }
 
+pybind11::object views_check() {
+  PyObject* function = PyCFunction_New(&kViewsMethod, nullptr);
+  if (function == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(function);
+}
+
 pybind11::object report_sync(pybind11::object slow, pybind11::dict state, pybind11::object library,
                              pybind11::object after, int64_t every) {
   TORCH_CHECK(every > 0, "report_sync: every must be positive");
@@ -581,7 +624,7 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
   return bound_function(s, kScanCapsule, &kScanMethod);
 }
 """
-_SCAN_FUNCTIONS = ["boundary_scan", "boundary_check", "report_sync"]
+_SCAN_FUNCTIONS = ["boundary_scan", "boundary_check", "report_sync", "views_check"]
 
 _CUDA_SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -887,6 +930,35 @@ def snapshot(tensors):
     return [t.clone() for t in tensors]
 
 
+def views_current(cached, live, was) -> bool:
+    """The cheap form's per-call test of its cached views (fence_forms): each buffer the
+    epilogue holds now (`live`) is the very object its views were cut from (`cached`), over
+    the memory it had then (`was`: an alias taken when they were cut): the same storage,
+    offset, sizes, strides, dtype and neg/conj bits. A buffer re-pointed in place (set_,
+    .data =, a resize_) is the same object over other memory. The kernel library's
+    views_check() answers the same in C (it compares storage addresses where this compares
+    storages: never more lenient); `current` is whichever serves."""
+    return len(cached) == len(live) == len(was) and all(map(_same_memory, cached, live, was))
+
+
+def _same_memory(cached, buffer, was) -> bool:
+    try:
+        return (buffer is cached and buffer.is_set_to(was) and buffer.dtype == was.dtype
+                and buffer.is_neg() == was.is_neg() and buffer.is_conj() == was.is_conj())
+    except Exception:  # noqa: BLE001 - no storage to compare (sparse, nested): not the same memory
+        return False
+
+
+current = views_current  # the cheap form's test: the kernel library's C form once it is loaded
+
+
+def use_checks(library) -> None:
+    """Test the cheap form's views with `library`'s C form (a loaded kernel library; tests and
+    benchmarks on the CPU, where no GPU loads one), or in Python (None)."""
+    global current
+    current = views_current if library is None else library.views_check()
+
+
 def detach(outs, fields):
     """A copy of `outs` whose `fields` (keys as holders.items names them) own their memory,
     snapshotted together on the current stream; every other field carried over and the
@@ -912,6 +984,8 @@ def copy_mode() -> tuple[str, str]:
     if _mode is None:
         _mode, _kernel = _probe(kernel_path(), _capability())
         use_extension(_enabled)
+        if _kernel is not None:
+            use_checks(_kernel)
     if _kernel is not None and not _enabled:
         return ("clones", "switched off by use_extension(False)")
     return _mode
