@@ -826,7 +826,7 @@ def _probe(contract: Contract, run_with: Optional[str], part: str) -> None:
     else:
         probes[run_with] = None  # what the engine's own parser makes of it
     for value, expected in probes.items():
-        key = (id(cls), *map(id, methods.values()), value, part)
+        key = (cls, *methods.values(), value, part)  # the objects, held: an id would be another class's once this one died
         if key in _PROBED:
             continue
         problem = _probe_one(cls, sites, methods, value, expected, torch, part)
