@@ -69,7 +69,7 @@ def memory(epilogue, depth: int = 6) -> set:
 def replay(tensors, step: int) -> None:
     """What a verify replay leaves: each tensor filled with values of this step only."""
     for t in tensors:
-        t.copy_((torch.arange(t.numel()).view(t.shape) + 1000 * step + 1).to(t.dtype))
+        t.copy_((torch.arange(t.numel(), device=t.device).view(t.shape) + 1000 * step + 1).to(t.dtype))
 
 
 def engine_then_fence(dspark, original, sizes, calls: int, written, step: int) -> int:
@@ -79,7 +79,7 @@ def engine_then_fence(dspark, original, sizes, calls: int, written, step: int) -
     for _ in range(calls):
         for bs in sizes:
             step += 1
-            kwargs = folded_kwargs(bs, "cpu")
+            kwargs = folded_kwargs(bs, dspark.epilogue.bonus_buf.device)
             replay(written(), step)
             outs = original(dspark.executor, **kwargs)
             expected = {name: getattr(outs, name).clone() for name in FIELDS}
@@ -120,7 +120,7 @@ def regrowing(tmp_path, how: str):
         "    def regrow(self, max_bs: int, width: int) -> None:  # doctored: every per-request buffer re-pointed\n"
         "        for name, buf in list(vars(self).items()):\n"
         "            if isinstance(buf, torch.Tensor) and name.endswith('_buf') and buf.shape[0] == self.max_bs:\n"
-        "                fresh = torch.zeros((max_bs,) + ((width,) if buf.dim() == 2 else ()), dtype=buf.dtype)\n"
+        "                fresh = torch.zeros((max_bs,) + ((width,) if buf.dim() == 2 else ()), dtype=buf.dtype, device=buf.device)\n"
         f"                {REPOINTS[how]}\n"
         "        self.max_bs = max_bs\n\n"
     )
@@ -130,8 +130,15 @@ def regrowing(tmp_path, how: str):
 
 @pytest.mark.parametrize("how", list(REPOINTS))
 def test_the_cheap_form_copies_a_repointed_buffer_from_its_new_memory(how, checks, tmp_path, monkeypatch):
+    through_repointings(how, tmp_path, monkeypatch, "cpu")
+
+
+def through_repointings(how: str, tmp_path, monkeypatch, device) -> None:
+    """The cheap form on a regrowing epilogue (on `device`): proven and trusted at 1, 5 and 16
+    rows, then re-pointed twice; each time proven again per batch size, then trusted, and
+    every call the engine's own values (tests/test_fence_gpu.py runs it on CUDA)."""
     module, engine = regrowing(tmp_path, how)
-    dspark = build_dspark(module)
+    dspark = build_dspark(module, device=device)
     original = vars(module.TargetVerifyExecutor)["accept_and_finalize"]
     form, decision = fence_on(engine)
     assert isinstance(form, fence_forms.CheapForm), decision.outcomes[0].reason
