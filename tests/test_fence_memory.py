@@ -120,7 +120,8 @@ def regrowing(tmp_path, how: str):
         "    def regrow(self, max_bs: int, width: int) -> None:  # doctored: every per-request buffer re-pointed\n"
         "        for name, buf in list(vars(self).items()):\n"
         "            if isinstance(buf, torch.Tensor) and name.endswith('_buf') and buf.shape[0] == self.max_bs:\n"
-        "                fresh = torch.zeros((max_bs,) + ((width,) if buf.dim() == 2 else ()), dtype=buf.dtype, device=buf.device)\n"
+        "                shape = (max_bs,) + ((width,) if buf.dim() == 2 else ())\n"
+        "                fresh = torch.zeros(shape, dtype=buf.dtype, device=buf.device)\n"
         f"                {REPOINTS[how]}\n"
         "        self.max_bs = max_bs\n\n"
     )
@@ -195,14 +196,21 @@ def test_the_general_form_and_the_boundary_copy_a_repointed_buffer(checks, tmp_p
     assert form is folded_fence.GENERAL_FOLDED
     written = lambda: [getattr(dspark.epilogue, name) for name in BUFFERS]  # noqa: E731
     step = engine_then_fence(dspark, original, (1, 5), 2, written, 0)
-    for how, change in (("set_", lambda b: b.set_(torch.zeros_like(b))), (".data =", lambda b: setattr(b, "data", torch.zeros_like(b))),
-                        ("resize_", lambda b: b.resize_((40,) + b.shape[1:]))):
+    changes = {"set_": lambda b: b.set_(torch.zeros_like(b)), ".data =": lambda b: setattr(b, "data", torch.zeros_like(b)),
+               "resize_": lambda b: b.resize_((40,) + b.shape[1:])}
+    for change in changes.values():
         for name in BUFFERS:
             change(getattr(dspark.epilogue, name))
         step = engine_then_fence(dspark, original, (1, 5, 16), CALLS, written, step)
         for bs in (1, 5, 16):  # the worker's result holding a view of a re-pointed buffer
             result, values = leave_worker(dspark.epilogue, lambda e: e.bonus_buf[:bs], step)
-            assert torch.equal(result.new_seq_lens, values) and result.new_seq_lens.untyped_storage().data_ptr() not in memory(dspark.epilogue), how
+            assert_copied(result, values, dspark.epilogue)
+
+
+def assert_copied(result, values, epilogue) -> None:
+    """The view that left the worker holds `values`, in memory no tensor of the epilogue shares."""
+    assert torch.equal(result.new_seq_lens, values)
+    assert result.new_seq_lens.untyped_storage().data_ptr() not in memory(epilogue)
 
 
 def leave_worker(epilogue, view, step: int):
@@ -285,7 +293,7 @@ def test_a_view_of_a_tensor_the_epilogue_keeps_below_it_is_copied(where, checks,
     step = engine_then_fence(dspark, original, sizes, CALLS, written, 0)
     for bs in sizes:  # the same view leaving the worker: copied, and its route named once
         result, values = leave_worker(epilogue, lambda e: held()[:bs], step)
-        assert torch.equal(result.new_seq_lens, values) and result.new_seq_lens.untyped_storage().data_ptr() not in memory(epilogue)
+        assert_copied(result, values, epilogue)
     said = [line for line in capfd.readouterr().err.splitlines() if "boundary: GenerationBatchResult.new_seq_lens" in line]
     assert len(said) == 1 and said[0].split(" <- ")[1].startswith(f"DsparkVerifyEpilogue.{HOLDERS[where][2]} shared"), said
     # the tensor re-pointed, then replaced, and (static_io) a batch size captured later: followed
@@ -297,8 +305,7 @@ def test_a_view_of_a_tensor_the_epilogue_keeps_below_it_is_copied(where, checks,
         step = engine_then_fence(dspark, original, sizes, CALLS, written, step)
         for bs in sizes:
             result, values = leave_worker(epilogue, lambda e: held()[:bs], step)
-            assert torch.equal(result.new_seq_lens, values)
-            assert result.new_seq_lens.untyped_storage().data_ptr() not in memory(epilogue)
+            assert_copied(result, values, epilogue)
 
 
 def test_a_map_made_for_a_dead_epilogue_is_not_read_for_another_at_its_id(checks, verify):
@@ -311,7 +318,7 @@ def test_a_map_made_for_a_dead_epilogue_is_not_read_for_another_at_its_id(checks
     del first
     gc.collect()
     result, values = leave_worker(second, lambda e: e.commit_lens_buf[:4], 1)
-    assert torch.equal(result.new_seq_lens, values) and result.new_seq_lens.untyped_storage().data_ptr() not in memory(second)
+    assert_copied(result, values, second)
     assert fence_boundary._storages[id(second)][0]() is second
 
 
@@ -328,8 +335,9 @@ def test_the_step_results_the_relay_keeps_are_not_the_epilogues_memory(checks, c
     for step in range(1, 6):
         bonus = epilogue.bonus_buf[:4].clone()  # the fence's copy
         epilogue.future_relay.published_bonus = bonus
-        result = fence_boundary.check_results(lambda w, b: GenerationBatchResult(new_seq_lens=bonus), worker, (worker, None), {})
+        step = lambda w, b: GenerationBatchResult(new_seq_lens=bonus)  # noqa: E731 - the worker's return
+        result = fence_boundary.check_results(step, worker, (worker, None), {})
         assert result.new_seq_lens is bonus
     result, values = leave_worker(epilogue, lambda e: e.future_relay.output_tokens[:4], 7)
-    assert torch.equal(result.new_seq_lens, values) and result.new_seq_lens.untyped_storage().data_ptr() not in memory(epilogue)
+    assert_copied(result, values, epilogue)
     assert "future_relay.published_bonus" not in capfd.readouterr().err

@@ -4,9 +4,12 @@ The fence's drift checks read the engine's sources: an early warning, not a proo
 `DSparkWorkerV2.forward_batch_generation` is where a step's results leave the worker
 for the scheduler, whose overlapped readback may run after the next verify replay
 rewrote the epilogue's persistent buffers. There, every tensor the result holds is
-compared by storage with every tensor the epilogue holds, whatever the result's shape:
-its fields and those of the objects, lists, tuples, dicts, slotted objects and msgspec
-structs it holds, down to MAX_DEPTH levels. One that shares storage is copied there, on
+compared by storage with every tensor of the epilogue's memory, whatever the result's
+shape: its fields and those of the objects, lists, tuples, dicts, slotted objects and
+msgspec structs it holds, down to MAX_DEPTH levels. The epilogue's memory is walked the
+same way (_map) and that map is tested by memory at each use (_fresh): a buffer
+re-pointed in place is the same object over other memory, and an id is another
+epilogue's once the first died. One that shares storage is copied there, on
 the forward stream and before the next replay is queued, so the readback still reads
 this step; and the route is named once per process, since the fence's checks missed it.
 A holder that cannot take the copy in place (a tuple, a frozen struct) is rebuilt and
@@ -27,8 +30,9 @@ of the pack's, and what is copied and said is the walk's alone.
 Which check serves is said once, at the first check on a GPU; on the CPU the Python walk
 serves and nothing is said.
 
-Cost: one look at each value the result holds and one storage lookup per tensor, every
-step (figures in the README's performance section).
+Cost: one look at each value the result holds and one storage lookup per tensor, and
+one look at each value and tensor of the map, every step (figures in the README's
+performance section).
 """
 
 from __future__ import annotations
