@@ -26,8 +26,9 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
                    the native scan serves where the kernel file loaded (fence_boundary.check_mode)
   boundary_python  the same with the Python walk forced (fence_boundary.use_native(None)): before the scan
   boundary_captured  boundary, against an epilogue whose static_io holds what graph capture leaves
-                   (fence_host_cost.captured: StaticVerifyIO views for 39 batch sizes): the map of its
-                   memory that the check tests at each step is that much larger
+                   and which holds a commit context with a draft model (fence_host_cost.captured:
+                   StaticVerifyIO views for 39 batch sizes): the map of its memory that the check
+                   tests at each step is that much larger
   fence_boundary   fence + boundary check: the fence's whole cost per verify step
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):

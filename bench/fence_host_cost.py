@@ -20,8 +20,9 @@ within each repetition:
   boundary_*_logprobs   a result that also holds top-logprob lists (2 x bs x stride tensors),
                         as compute_spec_logprobs leaves them when a request asks for them
   boundary_*_captured   the plain result against an epilogue whose static_io holds what graph
-                        capture leaves (StaticVerifyIO views for CAPTURED batch sizes): the map of
-                        its memory the check tests at each step is that much larger
+                        capture leaves (StaticVerifyIO views for CAPTURED batch sizes) and which
+                        holds a commit context with a draft model: the map of its memory the check
+                        tests at each step is that much larger
   cheap_*               the fence's cheap form on the real folded accept_and_finalize, trusted,
                         with the copy itself stubbed out: the Python path only (the copy is
                         one kernel launch on a GPU, measured by bench/fence_cost.py); cheap_before
@@ -135,8 +136,10 @@ def native_boundary(path):
 
 
 def captured(epilogue) -> None:
-    """static_io as graph capture leaves it: per batch size, views of the runner's persistent inputs."""
-    from sglang.srt.speculative.dspark_components.dspark_verify import StaticVerifyIO
+    """static_io as graph capture leaves it (per batch size, views of the runner's persistent
+    inputs), and the commit context the worker gives the epilogue (its draft model: here four
+    linear layers)."""
+    from sglang.srt.speculative.dspark_components.dspark_verify import CommitInjectCtx, StaticVerifyIO
 
     rows, device = epilogue.max_bs * STRIDE, epilogue.bonus_buf.device
     ids, seq_lens = torch.zeros(rows, dtype=torch.int64, device=device), torch.zeros(epilogue.max_bs, dtype=torch.int64, device=device)
@@ -146,6 +149,9 @@ def captured(epilogue) -> None:
         epilogue.static_io[bs] = StaticVerifyIO(candidates=ids[:n].view(bs, STRIDE), logits=logits[:n], hidden=hidden[:n],
                                                 seq_lens=seq_lens[:bs], req_pool_indices=seq_lens[:bs], out_cache_loc=ids[:n],
                                                 positions=ids[:n])
+    draft = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]).to(device)
+    epilogue.commit_ctx = CommitInjectCtx(draft_model=draft, block_pos_offsets=torch.arange(STRIDE, device=device),
+                                          resolve_pool=lambda: None, resolve_req_to_token=lambda: None)
 
 
 def boundary_variants(boundaries: dict, bs: int, max_bs: int) -> dict:

@@ -341,3 +341,28 @@ def test_the_step_results_the_relay_keeps_are_not_the_epilogues_memory(checks, c
     result, values = leave_worker(epilogue, lambda e: e.future_relay.output_tokens[:4], 7)
     assert_copied(result, values, epilogue)
     assert "future_relay.published_bonus" not in capfd.readouterr().err
+
+
+def test_a_draft_model_below_the_epilogue_is_mapped_and_the_scan_still_serves(checks, verify, monkeypatch):
+    """0.5.23's epilogue holds its commit context, and through it the draft model (an nn.Module,
+    whose hooks sit in OrderedDicts): its parameters are mapped, a view of one leaving the
+    worker is copied, and with the kernel file a clean step is still the native scan's alone."""
+    from bench.fence_host_cost import decode_result
+
+    epilogue = build_dspark(verify).epilogue
+    draft = torch.nn.Linear(4, 4)
+    epilogue.commit_ctx = verify.CommitInjectCtx(draft_model=draft, block_pos_offsets=torch.arange(4),
+                                                 resolve_pool=lambda: None, resolve_req_to_token=lambda: None)
+    walks = []
+    walk = fence_boundary._walk
+    monkeypatch.setattr(fence_boundary, "_walk", lambda result, e: walks.append(result) or walk(result, e))
+    worker = types.SimpleNamespace(_verify_epilogue=epilogue)
+    for step in range(4):
+        clean = decode_result(4)
+        assert fence_boundary.check_results(lambda w, b: clean, worker, (worker, None), {}) is clean
+        if step == 0:
+            walks.clear()  # the first may walk: the walk meets the types
+    assert len(walks) == (0 if checks == "native" else 3), len(walks)
+    for view in (lambda e: e.commit_ctx.block_pos_offsets[:2], lambda e: e.commit_ctx.draft_model.weight[0].detach()):
+        result, values = leave_worker(epilogue, view, 9)
+        assert_copied(result, values, epilogue)

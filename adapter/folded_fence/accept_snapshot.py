@@ -114,6 +114,35 @@ bool address_of(const at::Tensor& t, uintptr_t& address) {
   return true;
 }
 
+// Each item a list or tuple `h` stores, then each value a dict `d` stores, handed to `f` (kept
+// alive around the call; its false stops the reading and is returned).
+template <typename F>
+bool each_item(PyObject* h, F&& f) {
+  const bool list = PyList_Check(h);
+  for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(h) : PyTuple_GET_SIZE(h)); ++i) {
+    PyObject* v = list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i);
+    Py_INCREF(v);
+    const bool go_on = f(v);
+    Py_DECREF(v);
+    if (!go_on) return false;
+  }
+  return true;
+}
+
+template <typename F>
+bool each_stored(PyObject* d, F&& f) {
+  const Py_ssize_t size = PyDict_GET_SIZE(d);
+  Py_ssize_t at = 0;
+  PyObject *key, *v;
+  while (PyDict_Next(d, &at, &key, &v)) {
+    Py_INCREF(v);
+    const bool go_on = f(v);
+    Py_DECREF(v);
+    if (!go_on || PyDict_GET_SIZE(d) != size) return false;
+  }
+  return true;
+}
+
 // holders.items(h)'s values, in its order, each handed to `f` (its false stops the reading); false
 // also where h is not read here exactly as holders.items reads it.
 template <typename F>
@@ -122,31 +151,12 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
   if (kind == nullptr) return false;
   if (kind == s.leaf || kind == s.tensor) return true;  // items() gives nothing
-  auto each = [&](PyObject* v) {
-    Py_INCREF(v);
-    const bool go_on = f(v);
-    Py_DECREF(v);
-    return go_on;
-  };
-  auto dict_values = [&](PyObject* d) {
-    if (!PyDict_CheckExact(d)) return false;
-    const Py_ssize_t size = PyDict_GET_SIZE(d);
-    Py_ssize_t at = 0;
-    PyObject *key, *v;
-    while (PyDict_Next(d, &at, &key, &v)) {
-      if (!each(v) || PyDict_GET_SIZE(d) != size) return false;
-    }
-    return true;
-  };
   if (kind == s.sequence) {  // enumerate(h): the base type's own iterator only
     const bool list = PyList_Check(h) && tp->tp_iter == PyList_Type.tp_iter;
     if (!list && !(PyTuple_Check(h) && tp->tp_iter == PyTuple_Type.tp_iter)) return false;
-    for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(h) : PyTuple_GET_SIZE(h)); ++i) {
-      if (!each(list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i))) return false;
-    }
-    return true;
+    return each_item(h, f);
   }
-  if (kind == s.mapping) return dict_values(h);  // a subclass may read otherwise
+  if (kind == s.mapping) return PyDict_CheckExact(h) && each_stored(h, f);  // a subclass may read otherwise
   if (kind != s.holder) return false;
   PyObject* layout = PyDict_GetItemWithError(s.layouts, (PyObject*)tp);
   if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2) return false;
@@ -166,9 +176,19 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   if (PyTuple_GET_SIZE(names) != 0 && PyTuple_GET_ITEM(layout, 1) != Py_True) return true;
   PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
   if (d == nullptr) return false;
-  const bool done = dict_values(d);
+  const bool done = PyDict_CheckExact(d) && each_stored(d, f);
   Py_DECREF(d);
   return done;
+}
+
+// fence_boundary._held: what a holder of the epilogue's memory holds, a list's, tuple's or
+// dict's own storage whatever its type (an OrderedDict of nn.Module's hooks too), else
+// holders.items(h).
+template <typename F>
+bool each_held(const BoundaryScan& s, PyObject* h, F&& f) {
+  if (PyList_Check(h) || PyTuple_Check(h)) return each_item(h, f);
+  if (PyDict_Check(h)) return each_stored(h, f);
+  return each_value(s, h, f);
 }
 
 struct Walk {
@@ -224,7 +244,7 @@ bool same_state(const BoundaryScan& s, PyObject* epilogue) {
   if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
   for (const Node& n : s.nodes) {
     size_t at = 0;
-    const bool read = each_value(s, n.holder ? n.holder : epilogue, [&](PyObject* v) {
+    const bool read = each_held(s, n.holder ? n.holder : epilogue, [&](PyObject* v) {
       return at < n.slots.size() && same_slot(s, v, n.slots[at++]);
     });
     if (!read || at != n.slots.size()) return false;

@@ -130,7 +130,7 @@ def _checked(result, epilogue):
 def persistent_storages(epilogue) -> dict:
     """Storage address -> where the epilogue holds it ("Epilogue.name", "Epilogue.static_io[8].seq_lens"),
     for every tensor of its memory: its attributes and what they hold, walked as results are
-    (holders.items, breadth first, MAX_DEPTH levels, at most MAP_VALUES values)."""
+    (as _held reads them, breadth first, MAX_DEPTH levels, at most MAP_VALUES values)."""
     return _cache(epilogue)[3]
 
 
@@ -162,12 +162,29 @@ def _fresh(cached: tuple, epilogue) -> bool:
         return False
 
 
+def _held(holder) -> list:
+    """(key, value) for what a holder of the epilogue's memory holds: a list's, tuple's or
+    dict's own storage whatever its type (a subclass may show it otherwise or in another
+    order, an OrderedDict of nn.Module's hooks, but holds that), else holders.items."""
+    if isinstance(holder, list):
+        return list(enumerate(list.__iter__(holder)))
+    if isinstance(holder, tuple):
+        return list(enumerate(tuple.__iter__(holder)))
+    if isinstance(holder, dict):
+        return list(dict.items(holder))
+    return list(holders.items(holder))
+
+
 def _values(holder):
-    """How _fresh reads a holder's values: as holders.items gives them, without its keys."""
+    """How _fresh reads a holder's values: as _held gives them, without their keys."""
     tp = type(holder)
     if tp is list or tp is tuple:
         return _itself
-    if tp is dict:
+    if isinstance(holder, list):
+        return list.copy
+    if isinstance(holder, tuple):
+        return _tuple_items
+    if isinstance(holder, dict):
         return dict.values
     names, has_dict = holders.layout(tp) if _kind(tp) is holders.HOLDER else ((), False)
     if not names and has_dict:
@@ -179,6 +196,10 @@ def _values(holder):
 
 def _itself(holder):
     return holder
+
+
+def _tuple_items(holder):
+    return tuple(tuple.__iter__(holder))
 
 
 def _attributes(holder):
@@ -218,8 +239,8 @@ def _owner(owner):
 
 
 def _map(epilogue, before: tuple = None) -> tuple:
-    """Walk the epilogue's memory as _walk walks a result (breadth first, in holders.items'
-    order, MAX_DEPTH levels) and bind the native scan to it. Each holder walked is a node: its
+    """Walk the epilogue's memory as _walk walks a result (breadth first, MAX_DEPTH levels;
+    what each holder holds as _held reads it) and bind the native scan to it. Each holder walked is a node: its
     slots are the values it held (as _values reads them), or _FREE (a leaf or a tuple of
     leaves), _BEYOND (a holder past MAX_DEPTH) and _ANY (REFERENCES) where the map does not
     follow them. A holder is mapped whole or not at all, up to MAP_VALUES values; what is
@@ -231,7 +252,7 @@ def _map(epilogue, before: tuple = None) -> tuple:
     for holder, level, where in queue:
         here = epilogue if holder is None else holder
         try:
-            found = list(holders.items(here))
+            found = _held(here)
         except Exception as exc:  # noqa: BLE001 - not mapped, said; its own holder still watches it
             say_once(("map", where), f"boundary: could not read {where} ({type(exc).__name__}: {exc}); "
                                      "the tensors it holds are not compared with results")
