@@ -25,6 +25,10 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
                    LogitsProcessorOutput and DFlashDraftInputV2 (what every step pays for it);
                    the native scan serves where the kernel file loaded (fence_boundary.check_mode)
   boundary_python  the same with the Python walk forced (fence_boundary.use_native(None)): before the scan
+  boundary_captured  boundary, against an epilogue whose static_io holds what graph capture leaves
+                   and which holds a commit context with a draft model (fence_host_cost.captured:
+                   StaticVerifyIO views for 39 batch sizes): the map of its memory that the check
+                   tests at each step is that much larger
   fence_boundary   fence + boundary check: the fence's whole cost per verify step
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
@@ -58,7 +62,7 @@ from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import patching, runtime  # noqa: E402
 from sglang_dsv41_adapters.framework.plan import Patch  # noqa: E402
-from bench.fence_host_cost import decode_result  # noqa: E402  (the realistic worker result)
+from bench.fence_host_cost import captured, decode_result  # noqa: E402  (the realistic worker result, static_io)
 # the worker's arguments, as the GPU test passes them, and the fence switched on as a rank does
 from harness.fence import STRIDE, fence_on, folded_kwargs  # noqa: E402
 
@@ -105,7 +109,7 @@ def check_detached(verify, epilogue, outs, bs: int) -> None:
         assert mine.untyped_storage().data_ptr() != buf.data_ptr(), name
 
 
-def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
+def variants(verify, epilogue, executor, device, bs: int, original, full) -> dict:
     """name -> (setup, call): setup puts the module in the variant's state (untimed)."""
     kw = folded_kwargs(bs, device)
     ext = accept_snapshot.extension()
@@ -143,9 +147,9 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
 
     Worker.forward_batch_generation = wrapt.FunctionWrapper(vars(Worker)["forward_batch_generation"],
                                                             fence_boundary.check_results)
-    worker = Worker()
+    worker, after_capture = Worker(), type("CapturedWorker", (Worker,), {"_verify_epilogue": full})()
 
-    def with_boundary():
+    def with_boundary(worker=worker):
         outs = executor.accept_and_finalize(**kw)
         worker.forward_batch_generation(None)
         return outs
@@ -167,6 +171,7 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
         "fence_clones": (fenced(False), call),
         "boundary": (unpatched, with_boundary),
         "boundary_python": (walked(unpatched), with_boundary),
+        "boundary_captured": (unpatched, lambda: with_boundary(after_capture)),
         "fence_boundary": (fenced(True), with_boundary),
     }
     if ext is not None:
@@ -188,6 +193,7 @@ def variants(verify, epilogue, executor, device, bs: int, original) -> dict:
     print(f"bs={bs}: the fence on accept_and_finalize is {getattr(form, '__name__', type(form).__name__)}", flush=True)
     # The boundary rows check fresh tensors: nothing to copy, and the check that serves them is said.
     assert worker.forward_batch_generation(None) is result and fence_boundary.detach_escapes(result, epilogue)[1] == []
+    assert after_capture.forward_batch_generation(None) is result and fence_boundary.detach_escapes(result, full)[1] == []
     print(f"bs={bs}: the boundary check is {fence_boundary.check_mode()}", flush=True)
     unpatched()
     return table
@@ -234,10 +240,12 @@ def main(argv=None) -> int:
     load_s = time.perf_counter() - t0
     print(f"accept_snapshot.copy_mode(): {copy_mode} ({load_s:.2f} s)", flush=True)
     verify, epilogue, executor, device = build(max(args.bs))
+    full = build(max(args.bs))[1]
+    captured(full)
     original = vars(verify.TargetVerifyExecutor)[ORIGINAL]  # the engine's own (build() unpatched it)
     results = {}
     for bs in args.bs:
-        table = variants(verify, epilogue, executor, device, bs, original)
+        table = variants(verify, epilogue, executor, device, bs, original, full)
         samples = {name: [] for name in table}
         for name, (setup, call) in table.items():  # warm-up
             setup()
@@ -285,7 +293,7 @@ def main(argv=None) -> int:
     print(f"\nfence cost: host us per call, median of {args.reps} x {args.calls} calls "
           f"({torch.cuda.get_device_name()}, torch {torch.__version__}); "
           f"'+' = over unfenced, 'L' = in units of {yard}")
-    header = f"{'variant':<16}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
+    header = f"{'variant':<18}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
     print(header)
     for name in names:
         cells = []
@@ -296,7 +304,7 @@ def main(argv=None) -> int:
             cells.append(f"{cell:>26}")
         c = results[args.bs[0]][name]
         launch_txt = f"{c['launch_calls']}/{c['device_kernels']}" if "launch_calls" in c else "-"
-        print(f"{name:<16}" + "".join(cells) + f"{launch_txt:>10}")
+        print(f"{name:<18}" + "".join(cells) + f"{launch_txt:>10}")
     print("launches = CUDA runtime launch/copy calls / kernels on the device, per call")
     print(f"accept_snapshot.copy_mode(): {copy_mode} (first call {load_s:.2f} s); boundary check: {fence_boundary.check_mode()}")
 

@@ -19,10 +19,16 @@ within each repetition:
                         engine's begin_step/begin_static_step do that when the batch changes)
   boundary_*_logprobs   a result that also holds top-logprob lists (2 x bs x stride tensors),
                         as compute_spec_logprobs leaves them when a request asks for them
+  boundary_*_captured   the plain result against an epilogue whose static_io holds what graph
+                        capture leaves (StaticVerifyIO views for CAPTURED batch sizes) and which
+                        holds a commit context with a draft model: the map of its memory the check
+                        tests at each step is that much larger
   cheap_*               the fence's cheap form on the real folded accept_and_finalize, trusted,
-                        (cheap_before only for a REV with the flat adapter/folded_fence.py, up to b108675)
                         with the copy itself stubbed out: the Python path only (the copy is
-                        one kernel launch on a GPU, measured by bench/fence_cost.py)
+                        one kernel launch on a GPU, measured by bench/fence_cost.py); cheap_before
+                        REV's (its flat adapter/folded_fence.py up to b108675, its fence_forms.py
+                        after), cheap_after the working tree's with its views tested in Python,
+                        cheap_native with them tested by the kernel file's C form (as on a GPU)
   unfenced              the engine's folded accept_and_finalize, called directly
 
 Host time per call in microseconds, median of --reps repetitions of --calls calls. Figures
@@ -50,6 +56,7 @@ from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import runtime  # noqa: E402
 
 STRIDE = 4
+CAPTURED = list(range(1, 9)) + list(range(16, 257, 8))  # batch sizes a decode graph capture may cover
 
 
 def module_at(rev: str, path: str):
@@ -128,10 +135,30 @@ def native_boundary(path):
     return module, path
 
 
+def captured(epilogue) -> None:
+    """static_io as graph capture leaves it (per batch size, views of the runner's persistent
+    inputs), and the commit context the worker gives the epilogue (its draft model: here four
+    linear layers)."""
+    from sglang.srt.speculative.dspark_components.dspark_verify import CommitInjectCtx, StaticVerifyIO
+
+    rows, device = epilogue.max_bs * STRIDE, epilogue.bonus_buf.device
+    ids, seq_lens = torch.zeros(rows, dtype=torch.int64, device=device), torch.zeros(epilogue.max_bs, dtype=torch.int64, device=device)
+    logits, hidden = torch.zeros(rows, 32, device=device), torch.zeros(rows, 16, device=device)
+    for bs in [b for b in CAPTURED if b <= epilogue.max_bs]:
+        n = bs * STRIDE
+        epilogue.static_io[bs] = StaticVerifyIO(candidates=ids[:n].view(bs, STRIDE), logits=logits[:n], hidden=hidden[:n],
+                                                seq_lens=seq_lens[:bs], req_pool_indices=seq_lens[:bs], out_cache_loc=ids[:n],
+                                                positions=ids[:n])
+    draft = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)]).to(device)
+    epilogue.commit_ctx = CommitInjectCtx(draft_model=draft, block_pos_offsets=torch.arange(STRIDE, device=device),
+                                          resolve_pool=lambda: None, resolve_req_to_token=lambda: None)
+
+
 def boundary_variants(boundaries: dict, bs: int, max_bs: int) -> dict:
     table = {}
     for label, module in boundaries.items():
-        epilogue = dspark(max_bs)[1]
+        epilogue, full = dspark(max_bs)[1], dspark(max_bs)[1]
+        captured(full)
         plain, with_logprobs = decode_result(bs), decode_result(bs, logprobs=True)
 
         def rebound(m=module, e=epilogue, r=plain):
@@ -141,6 +168,7 @@ def boundary_variants(boundaries: dict, bs: int, max_bs: int) -> dict:
         table[f"boundary_{label}"] = lambda m=module, e=epilogue, r=plain: m.detach_escapes(r, e)
         table[f"boundary_{label}_state"] = rebound
         table[f"boundary_{label}_logprobs"] = lambda m=module, e=epilogue, r=with_logprobs: m.detach_escapes(r, e)
+        table[f"boundary_{label}_captured"] = lambda m=module, e=full, r=plain: m.detach_escapes(r, e)
     return table
 
 
@@ -151,35 +179,54 @@ def exists_at(rev: str, path: str) -> bool:
 
 
 def cheap_before_module(rev: str):
-    """REV's flat adapter/folded_fence.py (its cheap form was a function then), or (None, why not)."""
+    """REV's module holding its cheap form (fence_forms.py, or the flat folded_fence.py up to
+    b108675, where it was a function), or (None, why not)."""
+    path = next((p for p in ("adapter/folded_fence/fence_forms.py", "adapter/folded_fence.py") if exists_at(rev, p)), None)
     try:
-        return module_at(rev, "adapter/folded_fence.py"), None
+        return module_at(rev, path), None
     except Exception as exc:  # noqa: BLE001 - the row is left out, the reason printed
-        return None, f"{rev}:adapter/folded_fence.py does not load beside this tree ({type(exc).__name__}: {exc})"
+        return None, f"{rev}:{path} does not load beside this tree ({type(exc).__name__}: {exc})"
 
 
-def cheap_variants(before, bs: int, max_bs: int) -> dict:
-    """The cheap form before (a function of the old folded_fence) and after (the CheapForm the
-    runtime applies, trusted after its proofs), each around the engine's bound method."""
+def cheap_variants(before, kernel, bs: int, max_bs: int) -> dict:
+    """The cheap form before (REV's) and after (the CheapForm the runtime applies, its views
+    tested in Python, and with `kernel`'s C form), each trusted after its proofs, around the
+    engine's bound method."""
     verify, epilogue, executor = dspark(max_bs)
     wrapped, kwargs = verify.TargetVerifyExecutor.accept_and_finalize.__get__(executor), folded_kwargs(bs)
     decision = runtime.decide({folded_fence.FLAG: "1"}, names=(folded_fence.NAME,))
     form = next(p.wrapper for p in decision.plans[folded_fence.NAME].patches if p.name == "accept_and_finalize")
     buffers = tuple(f"{name}_buf" for name in folded_fence.FIELDS)
-    old = before._folded_snapshot_for(True, buffers, verify.AcceptOuts) if before is not None else None
-    for _ in range(3):
-        form(wrapped, executor, (), kwargs)  # the proofs
-    assert bs in form.trusted, "the cheap form was not trusted after its proofs"
+    if before is None:
+        old = None
+    elif hasattr(before, "CheapForm"):
+        old = before.CheapForm(form.fields, buffers, form.notes, form.accept_outs, form.folded, form.read)
+    else:
+        old = before._folded_snapshot_for(True, buffers, verify.AcceptOuts)
+    for _ in range(3):  # the proofs
+        form(wrapped, executor, (), kwargs)
+        if old is not None:
+            old(wrapped, executor, (), kwargs)
+    assert bs in form.trusted and (not hasattr(old, "trusted") or bs in old.trusted), "not trusted after the proofs"
+
+    def native():
+        return form(wrapped, executor, (), kwargs)
+
+    native.checks = kernel  # host_us tests the views with the kernel file's C form around its calls
     return {"unfenced": lambda: wrapped(**kwargs),
             **({"cheap_before": lambda: old(wrapped, executor, (), kwargs)} if old is not None else {}),
-            "cheap_after": lambda: form(wrapped, executor, (), kwargs)}
+            "cheap_after": lambda: form(wrapped, executor, (), kwargs), **({"cheap_native": native} if kernel else {})}
 
 
 def host_us(call, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return (time.perf_counter() - start) / calls * 1e6
+    accept_snapshot.use_checks(getattr(call, "checks", None))
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        return (time.perf_counter() - start) / calls * 1e6
+    finally:
+        accept_snapshot.use_checks(None)
 
 
 def main(argv=None) -> int:
@@ -197,8 +244,9 @@ def main(argv=None) -> int:
     boundaries = {"before": module_at(args.before, boundary_path), "after": fence_boundary}
     fence_boundary.use_native(None)  # `after`: the working tree's Python walk
     native, source = native_boundary(args.kernel)
+    kernel = None
     if native is not None:
-        boundaries["native"] = native
+        boundaries["native"], kernel = native, native._native
     before_fence, why = cheap_before_module(args.before)
     copy = accept_snapshot.snapshot
     accept_snapshot.snapshot = lambda views: views  # the cheap form's copy stubbed: its Python path alone
@@ -210,10 +258,9 @@ def main(argv=None) -> int:
     rows = {}
     try:
         for bs in args.bs:
-            table = {**cheap_variants(before_fence, bs, max(args.bs)), **boundary_variants(boundaries, bs, max(args.bs))}
+            table = {**cheap_variants(before_fence, kernel, bs, max(args.bs)), **boundary_variants(boundaries, bs, max(args.bs))}
             for call in table.values():  # warm-up
-                for _ in range(200):
-                    call()
+                host_us(call, 200)
             samples = {name: [] for name in table}
             for _ in range(args.reps):
                 for name, call in table.items():

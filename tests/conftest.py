@@ -66,9 +66,9 @@ def dspark(verify):
     return build_dspark(verify)
 
 
-def build_dspark(verify, max_bs: int = 16, stride: int = 4):
+def build_dspark(verify, max_bs: int = 16, stride: int = 4, device="cpu"):
     """A real DsparkVerifyEpilogue and TargetVerifyExecutor of `verify` (sglang 0.5.23's
-    dspark_verify, or a doctored copy of it) on the CPU.
+    dspark_verify, or a doctored copy of it), its buffers on `device` (the CPU by default).
 
     The TP group is an attribute holder for a single rank: SpecTpSync only reads
     world_size and rank_in_group from it at TP=1. The target worker is reduced to the
@@ -76,7 +76,7 @@ def build_dspark(verify, max_bs: int = 16, stride: int = 4):
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync
 
     tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
-    epilogue = verify.DsparkVerifyEpilogue(max_bs=max_bs, verify_num_draft_tokens=stride, device="cpu", tp_sync=tp_sync)
+    epilogue = verify.DsparkVerifyEpilogue(max_bs=max_bs, verify_num_draft_tokens=stride, device=device, tp_sync=tp_sync)
     config = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(model_type="llama"))
     runner = types.SimpleNamespace(model_config=config)
     executor = verify.TargetVerifyExecutor(

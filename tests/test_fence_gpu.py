@@ -311,3 +311,19 @@ def test_boundary_keeps_step_n_for_a_route_the_fence_does_not_know(gpu, bs, tmp_
     finally:
         runtime.revert()
         fence_boundary.use_native()
+
+
+@pytest.mark.parametrize("how", ["set_", ".data =", "resize_", "a new object"])
+def test_a_buffer_repointed_in_place_is_copied_from_its_new_memory(how, tmp_path, monkeypatch):
+    """tests/test_fence_memory.py's re-pointed buffers on CUDA, as a rank meets them: the cheap
+    form's one-launch copy and the kernel file's views check (set_, .data =, a resize_ that
+    changes the shape, a new object; twice), every call the engine's own values, fresh memory."""
+    from tests.test_fence_memory import through_repointings
+
+    mode = accept_snapshot.copy_mode()
+    assert mode[0] == "one-launch", f"the kernel file does not serve this GPU: {mode}"
+    accept_snapshot.use_checks(accept_snapshot.extension())  # as the probe leaves it in a rank
+    try:
+        through_repointings(how, tmp_path, monkeypatch, torch.device("cuda", torch.cuda.current_device()))
+    finally:
+        runtime.revert()

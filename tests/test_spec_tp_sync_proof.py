@@ -356,3 +356,14 @@ def test_the_pack_own_wrappers_are_looked_through():
                                                           "sync"]
     again = runtime.decide(environ, names=(td.NAME, gm.NAME), topology=TP4)
     assert [o.state for o in again.outcomes] == [runtime.APPLIED, runtime.SUPERSEDED], [o.reason for o in again.outcomes]
+
+
+def test_a_probe_remembered_holds_the_class_and_methods_it_ran():
+    """The class is run once per class, functions and value: remembered by the objects
+    themselves (held), not their ids, which another class could take once this one died."""
+    sync = importlib.import_module(SYNC)
+    upstream_sync.reset()
+    runtime.decide({td.FLAG: "1"}, names=(td.NAME,), topology=TP4)
+    assert upstream_sync._OBSERVED
+    for (module, cls, functions), _ in upstream_sync._OBSERVED:
+        assert module is sync and cls is sync.SpecTpSync and dict(functions)["__init__"] is vars(sync.SpecTpSync)["__init__"]

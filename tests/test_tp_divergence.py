@@ -281,3 +281,23 @@ def test_doctor_reports_the_sites(clean_env):
     rank0 = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == "rank0_broadcast")
     assert rank0["outcome"] == "superseded" and "its sync(site, t) broadcasts t itself" in rank0["reason"]
     assert os.environ.get("SGLANG_SPEC_TP_SYNC") is None
+
+
+def test_a_labelled_site_is_held_so_that_its_id_stays_its_own():
+    """label() keeps (number, slug) by the member's id (report_sync's C form reads it so too):
+    the member is held, so no later object can take that id and be counted as this site."""
+    import gc
+    import weakref
+
+    class Member:  # a site as label() reads one; unlike an IntEnum member it can be weakly referenced
+        slug = "held-site"
+
+        def __int__(self):
+            return 77
+
+    site = Member()
+    gone = weakref.ref(site)
+    assert divergence.label(site) == (77, "held-site")
+    del site
+    gc.collect()
+    assert gone() is not None and divergence.label(gone()) == (77, "held-site")

@@ -59,12 +59,13 @@ DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre
 
 # The boundary check's native scan (fence_boundary): host-side C++ over the CPython API, no
 # CUDA, in the bindings' file. `boundary_scan(...)` binds the walk's tables and one epilogue's
-# state and storages, and returns a plain CPython callable `scan(result, epilogue)`: True only
-# where fence_boundary's Python walk would find no route and report nothing; False (unsure)
-# for anything it does not read exactly as that walk does, which then runs the walk.
-# `boundary_check(...)` is fence_boundary.check_results in C over those scans, and
-# `report_sync(...)` tp_divergence's wrapper of SpecTpSync.sync in C (its common eager call):
-# each hands its Python form what it does not do itself.
+# memory map, and returns a plain CPython callable `scan(result, epilogue)`: True only where
+# the map still holds (fence_boundary._fresh) and fence_boundary's Python walk would find no
+# route and report nothing; False (unsure) for anything it does not read exactly as that walk
+# does, which then runs the walk. `boundary_check(...)` is fence_boundary.check_results in C
+# over those scans, `report_sync(...)` tp_divergence's wrapper of SpecTpSync.sync in C (its
+# common eager call), `views_check()` the cheap form's per-call test of its cached views
+# (views_current): each hands its Python form what it does not do itself.
 _SCAN_SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/impl/COW.h>
@@ -72,70 +73,80 @@ _SCAN_SOURCE = r"""
 #include <cstdint>
 
 namespace {
+// One holder of the epilogue's memory as fence_boundary._map walked it.
+struct Node {
+  PyObject* holder;              // nullptr: the epilogue itself
+  std::vector<PyObject*> slots;  // the values it held, or the free / beyond markers (owned references)
+};
+
 struct BoundaryScan {
   PyObject* kinds;    // holders.KINDS: type -> kind (owned references, all of them)
   PyObject* layouts;  // holders._layouts: type -> (names outside __dict__, has __dict__)
   PyObject *leaf, *tensor, *sequence, *mapping, *holder;  // the kind strings, compared by identity
   PyObject *plain_tensor, *parameter;                     // the tensor types read directly
   PyObject* dict_name;
-  std::vector<PyObject*> watched;   // the epilogue's watched attribute names ...
-  std::vector<uintptr_t> ids;       // ... and the ids of the values they held at the bind
-  Py_ssize_t attributes;            // the number of its attributes then
-  std::vector<uintptr_t> storages;  // its tensors' storage addresses
+  PyObject* owner;                  // a weak reference to the epilogue (or the epilogue, where it takes none)
+  PyObject *free, *beyond, *any;    // fence_boundary._FREE, _BEYOND and _ANY
+  std::vector<Node> nodes;          // the epilogue's memory as mapped ...
+  std::vector<PyObject*> tensors;   // ... the tensors in it ...
+  std::vector<uintptr_t> addresses; // ... and their storages' addresses then
+  std::vector<uintptr_t> storages;  // the map's storages
   int max_depth;
   long max_values;
   ~BoundaryScan() {
-    for (PyObject* o : {kinds, layouts, leaf, tensor, sequence, mapping, holder, plain_tensor, parameter, dict_name}) Py_XDECREF(o);
-    for (PyObject* o : watched) Py_XDECREF(o);
+    for (PyObject* o : {kinds, layouts, leaf, tensor, sequence, mapping, holder, plain_tensor, parameter, dict_name,
+                        owner, free, beyond, any}) Py_XDECREF(o);
+    for (Node& n : nodes) {
+      Py_XDECREF(n.holder);
+      for (PyObject* o : n.slots) Py_XDECREF(o);
+    }
+    for (PyObject* o : tensors) Py_XDECREF(o);
   }
 };
 
-struct Walk {
-  const BoundaryScan& s;
-  PyObject* epilogue;
-  long left;
-  bool value(PyObject* v, int level);
-  bool holder(PyObject* h, int level);
-  bool dict_values(PyObject* d, int level);
-};
-
-// One value a holder at `level` holds: true where the Python walk skips it or finds it clean.
-bool Walk::value(PyObject* v, int level) {
-  if (v == Py_None) return true;
-  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
-  if (kind == nullptr) return false;  // a type the walk has not met: it fills KINDS
-  if (kind == s.leaf || v == epilogue) return true;
-  if (--left < 0) return false;  // the walk's cut
-  if (kind == s.tensor) {
-    PyObject* tp = (PyObject*)Py_TYPE(v);
-    if (tp != s.plain_tensor && tp != s.parameter) return false;  // a subclass may answer otherwise
-    const at::Tensor& t = THPVariable_Unpack(v);
-    if (!t.has_storage()) return false;
-    const c10::Storage& storage = t.storage();
-    if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return false;  // data_ptr() would materialize it
-    const uintptr_t address = reinterpret_cast<uintptr_t>(storage.data());
-    return std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end();
-  }
-  if (level >= s.max_depth) return false;  // too deep: the walk reports it
-  return holder(v, level + 1);
+// Where a tensor's storage lies; false where it has none to read here (data_ptr() would
+// materialize a copy-on-write one).
+bool address_of(const at::Tensor& t, uintptr_t& address) {
+  if (!t.has_storage()) return false;
+  const c10::Storage& storage = t.storage();
+  if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return false;
+  address = reinterpret_cast<uintptr_t>(storage.data());
+  return true;
 }
 
-bool Walk::dict_values(PyObject* d, int level) {
-  if (!PyDict_CheckExact(d)) return false;
+// Each item a list or tuple `h` stores, then each value a dict `d` stores, handed to `f` (kept
+// alive around the call; its false stops the reading and is returned).
+template <typename F>
+bool each_item(PyObject* h, F&& f) {
+  const bool list = PyList_Check(h);
+  for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(h) : PyTuple_GET_SIZE(h)); ++i) {
+    PyObject* v = list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i);
+    Py_INCREF(v);
+    const bool go_on = f(v);
+    Py_DECREF(v);
+    if (!go_on) return false;
+  }
+  return true;
+}
+
+template <typename F>
+bool each_stored(PyObject* d, F&& f) {
   const Py_ssize_t size = PyDict_GET_SIZE(d);
   Py_ssize_t at = 0;
   PyObject *key, *v;
   while (PyDict_Next(d, &at, &key, &v)) {
     Py_INCREF(v);
-    const bool clean = value(v, level);
+    const bool go_on = f(v);
     Py_DECREF(v);
-    if (!clean || PyDict_GET_SIZE(d) != size) return false;
+    if (!go_on || PyDict_GET_SIZE(d) != size) return false;
   }
   return true;
 }
 
-// holders.items(h), each value looked at: true where the walk would report nothing.
-bool Walk::holder(PyObject* h, int level) {
+// holders.items(h)'s values, in its order, each handed to `f` (its false stops the reading); false
+// also where h is not read here exactly as holders.items reads it.
+template <typename F>
+bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   PyTypeObject* tp = Py_TYPE(h);
   PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
   if (kind == nullptr) return false;
@@ -143,16 +154,9 @@ bool Walk::holder(PyObject* h, int level) {
   if (kind == s.sequence) {  // enumerate(h): the base type's own iterator only
     const bool list = PyList_Check(h) && tp->tp_iter == PyList_Type.tp_iter;
     if (!list && !(PyTuple_Check(h) && tp->tp_iter == PyTuple_Type.tp_iter)) return false;
-    for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(h) : PyTuple_GET_SIZE(h)); ++i) {
-      PyObject* v = list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i);
-      Py_INCREF(v);
-      const bool clean = value(v, level);
-      Py_DECREF(v);
-      if (!clean) return false;
-    }
-    return true;
+    return each_item(h, f);
   }
-  if (kind == s.mapping) return PyDict_CheckExact(h) && dict_values(h, level);  // a subclass may read otherwise
+  if (kind == s.mapping) return PyDict_CheckExact(h) && each_stored(h, f);  // a subclass may read otherwise
   if (kind != s.holder) return false;
   PyObject* layout = PyDict_GetItemWithError(s.layouts, (PyObject*)tp);
   if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2) return false;
@@ -165,31 +169,92 @@ bool Walk::holder(PyObject* h, int level) {
       PyErr_Clear();
       continue;
     }
-    const bool clean = value(v, level);
+    const bool go_on = f(v);
     Py_DECREF(v);
-    if (!clean) return false;
+    if (!go_on) return false;
   }
   if (PyTuple_GET_SIZE(names) != 0 && PyTuple_GET_ITEM(layout, 1) != Py_True) return true;
   PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
   if (d == nullptr) return false;
-  const bool clean = dict_values(d, level);
+  const bool done = PyDict_CheckExact(d) && each_stored(d, f);
   Py_DECREF(d);
-  return clean;
+  return done;
 }
 
-// fence_boundary.persistent_storages' test that its map still holds: the same number of
-// attributes, the watched ones bound to the same objects.
-bool same_state(const BoundaryScan& s, PyObject* epilogue) {
-  PyObject* d = PyObject_GetAttr(epilogue, s.dict_name);
-  if (d == nullptr) return false;
-  bool same = PyDict_CheckExact(d) && PyDict_GET_SIZE(d) == s.attributes;
-  for (size_t i = 0; same && i < s.watched.size(); ++i) {
-    PyObject* v = PyDict_GetItemWithError(d, s.watched[i]);
-    if (v == nullptr && PyErr_Occurred()) same = false;
-    else same = reinterpret_cast<uintptr_t>(v ? v : Py_None) == s.ids[i];
+// fence_boundary._held: what a holder of the epilogue's memory holds, a list's, tuple's or
+// dict's own storage whatever its type (an OrderedDict of nn.Module's hooks too), else
+// holders.items(h).
+template <typename F>
+bool each_held(const BoundaryScan& s, PyObject* h, F&& f) {
+  if (PyList_Check(h) || PyTuple_Check(h)) return each_item(h, f);
+  if (PyDict_Check(h)) return each_stored(h, f);
+  return each_value(s, h, f);
+}
+
+struct Walk {
+  const BoundaryScan& s;
+  PyObject* epilogue;
+  long left;
+  bool value(PyObject* v, int level);
+  bool holder(PyObject* h, int level) {
+    return each_value(s, h, [&](PyObject* v) { return value(v, level); });
   }
-  Py_DECREF(d);
-  return same;
+};
+
+// One value a holder at `level` holds: true where the Python walk skips it or finds it clean.
+bool Walk::value(PyObject* v, int level) {
+  if (v == Py_None) return true;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  if (kind == nullptr) return false;  // a type the walk has not met: it fills KINDS
+  if (kind == s.leaf || v == epilogue) return true;
+  if (--left < 0) return false;  // the walk's cut
+  if (kind == s.tensor) {
+    PyObject* tp = (PyObject*)Py_TYPE(v);
+    if (tp != s.plain_tensor && tp != s.parameter) return false;  // a subclass may answer otherwise
+    uintptr_t address;
+    return address_of(THPVariable_Unpack(v), address) &&
+           std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end();
+  }
+  if (level >= s.max_depth) return false;  // too deep: the walk reports it
+  return holder(v, level + 1);
+}
+
+bool is_leaf(const BoundaryScan& s, PyObject* v) {
+  return PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v)) == s.leaf;
+}
+
+// fence_boundary._same: `v` may stand where the map found `slot`.
+bool same_slot(const BoundaryScan& s, PyObject* v, PyObject* slot) {
+  if (v == slot || slot == s.any) return true;
+  if (slot == s.free) {
+    if (!PyTuple_CheckExact(v)) return is_leaf(s, v);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v); ++i) {
+      if (!is_leaf(s, PyTuple_GET_ITEM(v, i))) return false;
+    }
+    return true;
+  }
+  if (slot != s.beyond) return false;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  return kind != nullptr && kind != s.tensor;
+}
+
+// fence_boundary._fresh: the same epilogue, every holder mapped holding what it held, every
+// tensor over the storage it had (a buffer re-pointed in place is the same object over other memory).
+bool same_state(const BoundaryScan& s, PyObject* epilogue) {
+  if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
+  for (const Node& n : s.nodes) {
+    size_t at = 0;
+    const bool read = each_held(s, n.holder ? n.holder : epilogue, [&](PyObject* v) {
+      return at < n.slots.size() && same_slot(s, v, n.slots[at++]);
+    });
+    if (!read || at != n.slots.size()) return false;
+  }
+  for (size_t i = 0; i < s.tensors.size(); ++i) {  // the storage itself, whatever a subclass would say
+    uintptr_t address;
+    if (!THPVariable_Check(s.tensors[i]) || !address_of(THPVariable_Unpack(s.tensors[i]), address) ||
+        address != s.addresses[i]) return false;
+  }
+  return true;
 }
 
 const char kScanCapsule[] = "dsv41.boundary_scan";
@@ -250,7 +315,7 @@ PyObject* bound_scan(const BoundaryCheck& c, PyObject* epilogue) {
   if (key == nullptr) return nullptr;
   PyObject* cached = PyDict_GetItemWithError(c.storages, key);
   Py_DECREF(key);
-  if (cached == nullptr || !PyTuple_CheckExact(cached) || PyTuple_GET_SIZE(cached) != 5) return nullptr;
+  if (cached == nullptr || !PyTuple_CheckExact(cached) || PyTuple_GET_SIZE(cached) != 7) return nullptr;
   PyObject* scan = PyTuple_GET_ITEM(cached, 4);
   if (!PyCFunction_Check(scan) || PyCFunction_GET_FUNCTION(scan) != (PyCFunction)(void (*)(void))scan_call) return nullptr;
   Py_INCREF(scan);  // the walk may run Python (a property) that drops it from the map
@@ -299,6 +364,42 @@ PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 
 PyMethodDef kCheckMethod = {"boundary_check", (PyCFunction)(void (*)(void))check_call, METH_FASTCALL,
                             "check(wrapped, instance, args, kwargs) -> the wrapped call's result, checked"};
+
+// fence_forms' trusted cheap form, at each call: views_check()(cached, live, was) is True where
+// each buffer the epilogue holds now (`live`) is the very object its views were cut from
+// (`cached`) over the memory it had then (`was`: an alias taken when they were cut): the same
+// storage address, offset, sizes, strides, dtype, device and conj/neg bits, so its views are
+// still what read_accept would cut. A few integers per buffer, nothing allocated; False for
+// anything else (the engine's path then runs, and proves new views).
+bool same_memory(PyObject* buffer, PyObject* was) {
+  if (!THPVariable_Check(buffer) || !THPVariable_Check(was)) return false;
+  const at::Tensor& b = THPVariable_Unpack(buffer);
+  const at::Tensor& w = THPVariable_Unpack(was);
+  uintptr_t mine, then;
+  return address_of(b, mine) && address_of(w, then) && mine == then && b.storage_offset() == w.storage_offset() &&
+         b.dtype() == w.dtype() && b.device() == w.device() && b.is_conj() == w.is_conj() && b.is_neg() == w.is_neg() &&
+         b.sizes().equals(w.sizes()) && b.strides().equals(w.strides());
+}
+
+PyObject* views_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) {
+    Py_RETURN_FALSE;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+  if (PyTuple_GET_SIZE(args[1]) != n || PyTuple_GET_SIZE(args[2]) != n) Py_RETURN_FALSE;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* buffer = PyTuple_GET_ITEM(args[1], i);
+      if (buffer != PyTuple_GET_ITEM(args[0], i) || !same_memory(buffer, PyTuple_GET_ITEM(args[2], i))) Py_RETURN_FALSE;
+    }
+  } catch (...) {
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef kViewsMethod = {"views_check", (PyCFunction)(void (*)(void))views_call, METH_FASTCALL,
+                            "check(cached, live, was) -> True: each live buffer is cached[i] over was[i]'s memory"};
 
 // A C callable over a capsule that owns `state`: what boundary_scan, boundary_check and
 // report_sync return.
@@ -493,6 +594,12 @@ pybind11::object boundary_check(pybind11::dict storages, pybind11::object checke
   return bound_function(c, kCheckCapsule, &kCheckMethod);
 }
 
+pybind11::object views_check() {
+  PyObject* function = PyCFunction_New(&kViewsMethod, nullptr);
+  if (function == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(function);
+}
+
 pybind11::object report_sync(pybind11::object slow, pybind11::dict state, pybind11::object library,
                              pybind11::object after, int64_t every) {
   TORCH_CHECK(every > 0, "report_sync: every must be positive");
@@ -503,9 +610,11 @@ pybind11::object report_sync(pybind11::object slow, pybind11::dict state, pybind
 }
 
 pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pybind11::tuple kind_names,
-                               pybind11::tuple tensor_types, pybind11::tuple watched, std::vector<uint64_t> ids,
-                               int64_t attributes, std::vector<uint64_t> storages, int64_t max_depth, int64_t max_values) {
-  TORCH_CHECK(kind_names.size() == 5 && tensor_types.size() == 2 && watched.size() == ids.size(), "boundary_scan: bad arguments");
+                               pybind11::tuple tensor_types, pybind11::object owner, pybind11::tuple markers,
+                               pybind11::list nodes, pybind11::list tensors, std::vector<uint64_t> addresses,
+                               std::vector<uint64_t> storages, int64_t max_depth, int64_t max_values) {
+  TORCH_CHECK(kind_names.size() == 5 && tensor_types.size() == 2 && markers.size() == 3 &&
+              tensors.size() == addresses.size(), "boundary_scan: bad arguments");
   auto* s = new BoundaryScan{};
   auto own = [](pybind11::handle h) { return h.inc_ref().ptr(); };
   s->kinds = own(kinds);
@@ -518,16 +627,24 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
   s->plain_tensor = own(tensor_types[0]);
   s->parameter = own(tensor_types[1]);
   s->dict_name = PyUnicode_InternFromString("__dict__");
-  for (auto name : watched) s->watched.push_back(own(name));
-  s->ids.assign(ids.begin(), ids.end());
-  s->attributes = (Py_ssize_t)attributes;
+  s->owner = own(owner);
+  s->free = own(markers[0]);
+  s->beyond = own(markers[1]);
+  s->any = own(markers[2]);
+  for (auto node : nodes) {  // (holder or None, slots, how _fresh reads it)
+    auto pair = node.cast<pybind11::tuple>();
+    s->nodes.push_back(Node{pair[0].is_none() ? nullptr : own(pair[0]), {}});
+    for (auto slot : pair[1].cast<pybind11::tuple>()) s->nodes.back().slots.push_back(own(slot));
+  }
+  for (auto t : tensors) s->tensors.push_back(own(t));
+  s->addresses.assign(addresses.begin(), addresses.end());
   s->storages.assign(storages.begin(), storages.end());
   s->max_depth = (int)max_depth;
   s->max_values = (long)max_values;
   return bound_function(s, kScanCapsule, &kScanMethod);
 }
 """
-_SCAN_FUNCTIONS = ["boundary_scan", "boundary_check", "report_sync"]
+_SCAN_FUNCTIONS = ["boundary_scan", "boundary_check", "report_sync", "views_check"]
 
 _CUDA_SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -833,6 +950,35 @@ def snapshot(tensors):
     return [t.clone() for t in tensors]
 
 
+def views_current(cached, live, was) -> bool:
+    """The cheap form's per-call test of its cached views (fence_forms): each buffer the
+    epilogue holds now (`live`) is the very object its views were cut from (`cached`), over
+    the memory it had then (`was`: an alias taken when they were cut): the same storage,
+    offset, sizes, strides, dtype and neg/conj bits. A buffer re-pointed in place (set_,
+    .data =, a resize_) is the same object over other memory. The kernel library's
+    views_check() answers the same in C (it compares storage addresses where this compares
+    storages: never more lenient); `current` is whichever serves."""
+    return len(cached) == len(live) == len(was) and all(map(_same_memory, cached, live, was))
+
+
+def _same_memory(cached, buffer, was) -> bool:
+    try:
+        return (buffer is cached and buffer.is_set_to(was) and buffer.dtype == was.dtype
+                and buffer.is_neg() == was.is_neg() and buffer.is_conj() == was.is_conj())
+    except Exception:  # noqa: BLE001 - no storage to compare (sparse, nested): not the same memory
+        return False
+
+
+current = views_current  # the cheap form's test: the kernel library's C form once it is loaded
+
+
+def use_checks(library) -> None:
+    """Test the cheap form's views with `library`'s C form (a loaded kernel library; tests and
+    benchmarks on the CPU, where no GPU loads one), or in Python (None)."""
+    global current
+    current = views_current if library is None else library.views_check()
+
+
 def detach(outs, fields):
     """A copy of `outs` whose `fields` (keys as holders.items names them) own their memory,
     snapshotted together on the current stream; every other field carried over and the
@@ -858,6 +1004,8 @@ def copy_mode() -> tuple[str, str]:
     if _mode is None:
         _mode, _kernel = _probe(kernel_path(), _capability())
         use_extension(_enabled)
+        if _kernel is not None:
+            use_checks(_kernel)
     if _kernel is not None and not _enabled:
         return ("clones", "switched off by use_extension(False)")
     return _mode

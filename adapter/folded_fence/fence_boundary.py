@@ -4,9 +4,12 @@ The fence's drift checks read the engine's sources: an early warning, not a proo
 `DSparkWorkerV2.forward_batch_generation` is where a step's results leave the worker
 for the scheduler, whose overlapped readback may run after the next verify replay
 rewrote the epilogue's persistent buffers. There, every tensor the result holds is
-compared by storage with every tensor the epilogue holds, whatever the result's shape:
-its fields and those of the objects, lists, tuples, dicts, slotted objects and msgspec
-structs it holds, down to MAX_DEPTH levels. One that shares storage is copied there, on
+compared by storage with every tensor of the epilogue's memory, whatever the result's
+shape: its fields and those of the objects, lists, tuples, dicts, slotted objects and
+msgspec structs it holds, down to MAX_DEPTH levels. The epilogue's memory is walked the
+same way (_map) and that map is tested by memory at each use (_fresh): a buffer
+re-pointed in place is the same object over other memory, and an id is another
+epilogue's once the first died. One that shares storage is copied there, on
 the forward stream and before the next replay is queued, so the readback still reads
 this step; and the route is named once per process, since the fence's checks missed it.
 A holder that cannot take the copy in place (a tuple, a frozen struct) is rebuilt and
@@ -27,11 +30,16 @@ of the pack's, and what is copied and said is the walk's alone.
 Which check serves is said once, at the first check on a GPU; on the CPU the Python walk
 serves and nothing is said.
 
-Cost: one look at each value the result holds and one storage lookup per tensor, every
-step (figures in the README's performance section).
+Cost: one look at each value the result holds and one storage lookup per tensor, and
+one look at each value and tensor of the map, every step (figures in the README's
+performance section).
 """
 
 from __future__ import annotations
+
+import functools
+import operator
+import weakref
 
 import torch
 
@@ -40,11 +48,23 @@ from ..framework import log, metrics
 
 MAX_DEPTH = 4      # the result's own fields are level 1: a view two objects down is level 3
 MAX_VALUES = 256   # tensors and holders looked at per step, at most (a DSpark decode result: about 15)
+MAP_VALUES = 2048  # tensors and holders of the epilogue's own memory mapped, at most (static_io: 8 a captured size)
 
 _said: set = set()     # what was already reported in this process
-_storages: dict = {}   # id(epilogue) -> (watched names, ids of their values, attribute count, storage map, native scan or None)
+# id(epilogue) -> its memory map: (owner, nodes, (tensors, their storages' addresses), storage map, native scan
+# or None, route -> object followed, routes whose object had changed). owner is a weak reference to the
+# epilogue (an id reused after it died finds it dead); the map serves only while _fresh says the
+# epilogue's memory is as it was walked.
+_storages: dict = {}
 _KINDS, _kind = holders.KINDS, holders.kind
 _LEAF, _TENSOR, _SEQUENCE, _MAPPING = holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING
+_FREE = object()       # a map's slot where a leaf or a tuple of leaves was: any such value may take its place
+_BEYOND = object()     # a map's slot where a holder past MAX_DEPTH was: anything but a tensor may take its place
+_ANY = object()        # a map's slot that holds the step's results (REFERENCES): anything may take its place
+# Attributes in the epilogue's memory that hold the step's results, not memory of its own (by the holder's
+# type name): 0.5.23's FutureRelayBuffers keeps the step's accept outputs (the fence's copies, which the
+# result leaving the worker holds too) for FutureMap.publish / stash to recognise by identity.
+REFERENCES = frozenset({("FutureRelayBuffers", "published_seq_lens"), ("FutureRelayBuffers", "published_bonus")})
 _PROBE = object()      # not known yet: found at the first check on a GPU
 _native = _PROBE       # the kernel library whose native scan serves, None: the Python walk alone
 _native_check = None   # check_results in C, once a scan is bound (the library serves)
@@ -108,29 +128,197 @@ def _checked(result, epilogue):
 
 
 def persistent_storages(epilogue) -> dict:
-    """Storage address -> attribute name, for every tensor the epilogue holds. Rebuilt when
-    an attribute is added, or one that held a tensor or None is rebound (a buffer allocated
-    late, or replaced); its other attributes (per-step state) are not watched."""
+    """Storage address -> where the epilogue holds it ("Epilogue.name", "Epilogue.static_io[8].seq_lens"),
+    for every tensor of its memory: its attributes and what they hold, walked as results are
+    (as _held reads them, breadth first, MAX_DEPTH levels, at most MAP_VALUES values)."""
     return _cache(epilogue)[3]
 
 
 def _cache(epilogue) -> tuple:
-    state = vars(epilogue)
     cached = _storages.get(id(epilogue))
-    if (cached is None or cached[2] != len(state) or cached[1] != tuple(map(id, map(state.get, cached[0])))
-            or (cached[4] is None and _native is _PROBE and torch.cuda.is_initialized())):  # built before CUDA was up
-        watched = tuple(name for name, value in state.items() if value is None or isinstance(value, torch.Tensor))
-        ids = tuple(map(id, map(state.get, watched)))
-        storages = {t.untyped_storage().data_ptr(): name for name, t in state.items()
-                    if isinstance(t, torch.Tensor) and t.numel()}
-        library = _library()
-        scan = None if library is None else library.boundary_scan(  # bound once: the same test of this map's freshness
-            holders.KINDS, holders._layouts, (holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING, holders.HOLDER),
-            (torch.Tensor, torch.nn.Parameter), watched, list(ids), len(state), list(storages), MAX_DEPTH, MAX_VALUES)
-        cached = _storages[id(epilogue)] = (watched, ids, len(state), storages, scan)
-        if scan is not None:
-            _serve_native(library)
+    if cached is None or (cached[4] is None and _native is _PROBE and torch.cuda.is_initialized()):  # built before CUDA was up
+        return _map(epilogue, cached)
+    # the scan of nothing answers whether the map still holds, in C; where it is unsure, _fresh decides
+    if (cached[4] is not None and cached[4](None, epilogue)) or _fresh(cached, epilogue):
+        return cached
+    return _map(epilogue, cached)
+
+
+def _fresh(cached: tuple, epilogue) -> bool:
+    """Whether the map still describes the epilogue's memory: the same epilogue, every holder
+    walked holding what it held (the same objects where the map follows them), every tensor
+    over the storage it had. Checked at every use: a buffer re-pointed in place (set_,
+    .data =, a resize_ that moves it) is the same object over other memory."""
+    owner, nodes, (tensors, addresses) = cached[0], cached[1], cached[2]
+    if _owner(owner) is not epilogue:
+        return False
+    try:
+        for holder, slots, values in nodes:
+            values = values(epilogue if holder is None else holder)
+            if len(values) != len(slots) or not all(map(_same, values, slots)):
+                return False
+        return list(map(_STORAGE_ADDRESS, map(_STORAGE, tensors))) == addresses
+    except Exception:  # noqa: BLE001 - a holder that cannot be read now, a tensor that lost its storage: walk again
+        return False
+
+
+def _held(holder) -> list:
+    """(key, value) for what a holder of the epilogue's memory holds: a list's, tuple's or
+    dict's own storage whatever its type (a subclass may show it otherwise or in another
+    order, an OrderedDict of nn.Module's hooks, but holds that), else holders.items."""
+    if isinstance(holder, list):
+        return list(enumerate(list.__iter__(holder)))
+    if isinstance(holder, tuple):
+        return list(enumerate(tuple.__iter__(holder)))
+    if isinstance(holder, dict):
+        return list(dict.items(holder))
+    return list(holders.items(holder))
+
+
+def _values(holder):
+    """How _fresh reads a holder's values: as _held gives them, without their keys."""
+    tp = type(holder)
+    if tp is list or tp is tuple:
+        return _itself
+    if isinstance(holder, list):
+        return list.copy
+    if isinstance(holder, tuple):
+        return _tuple_items
+    if isinstance(holder, dict):
+        return dict.values
+    names, has_dict = holders.layout(tp) if _kind(tp) is holders.HOLDER else ((), False)
+    if not names and has_dict:
+        return _attributes
+    if len(names) > 1 and not has_dict and names == tuple(getattr(tp, "__struct_fields__", ())):
+        return operator.attrgetter(*names)  # a msgspec struct: every field always set, read in one call
+    return _read
+
+
+def _itself(holder):
+    return holder
+
+
+def _tuple_items(holder):
+    return tuple(tuple.__iter__(holder))
+
+
+def _attributes(holder):
+    return vars(holder).values()
+
+
+def _read(holder):
+    return [value for _, value in holders.items(holder)]
+
+
+def _same(value, slot) -> bool:
+    """`value` takes the place of what the map found there: the very object where the map
+    follows it; where it did not, any value it would not follow either."""
+    if value is slot or slot is _ANY:
+        return True
+    if slot is _FREE:
+        return _free(value)
+    return slot is _BEYOND and (_KINDS.get(type(value)) or _kind(type(value))) is not _TENSOR
+
+
+def _free(value) -> bool:
+    """A leaf, or a tuple of leaves (per-step state such as (bs, armed)): it holds no memory."""
+    if type(value) is tuple:
+        return all((_KINDS.get(type(v)) or _kind(type(v))) is _LEAF for v in value)
+    return (_KINDS.get(type(value)) or _kind(type(value))) is _LEAF
+
+
+def _address(tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+_STORAGE, _STORAGE_ADDRESS = torch.Tensor.untyped_storage, torch.UntypedStorage.data_ptr  # _address, mapped without a frame
+
+
+def _owner(owner):
+    return owner() if type(owner) is weakref.ReferenceType else owner
+
+
+def _map(epilogue, before: tuple = None) -> tuple:
+    """Walk the epilogue's memory as _walk walks a result (breadth first, MAX_DEPTH levels;
+    what each holder holds as _held reads it) and bind the native scan to it. Each holder walked is a node: its
+    slots are the values it held (as _values reads them), or _FREE (a leaf or a tuple of
+    leaves), _BEYOND (a holder past MAX_DEPTH) and _ANY (REFERENCES) where the map does not
+    follow them. A holder is mapped whole or not at all, up to MAP_VALUES values; what is
+    left out is said once, and so is a route whose object changed at two walks in a row
+    (`before`: the last map)."""
+    name = type(epilogue).__name__
+    queue, nodes, tensors, addresses, storages, routes = [(None, 1, name)], [], [], [], {}, {}
+    seen, left, cut = {id(epilogue)}, MAP_VALUES, None
+    for holder, level, where in queue:
+        here = epilogue if holder is None else holder
+        try:
+            found = _held(here)
+        except Exception as exc:  # noqa: BLE001 - not mapped, said; its own holder still watches it
+            say_once(("map", where), f"boundary: could not read {where} ({type(exc).__name__}: {exc}); "
+                                     "the tensors it holds are not compared with results")
+            continue
+        owner = type(here).__name__
+        slots = [_ANY if (owner, key) in REFERENCES else _FREE if _free(value) else value for key, value in found]
+        held = sum(1 for slot in slots if slot is not _FREE and slot is not _ANY)  # by identity: == on a tensor is elementwise
+        if held > left and holder is not None:
+            cut = cut or where
+            continue
+        left -= held
+        for at, (key, value) in enumerate(found):
+            if slots[at] is _FREE or slots[at] is _ANY or value is epilogue:
+                continue
+            routes[_route(where, here, key)] = value
+            if _kind(type(value)) is _TENSOR:
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+                try:
+                    address = _address(value)
+                except Exception:  # noqa: BLE001 - no storage (sparse, nested): nothing a result can share
+                    continue
+                tensors.append(value)
+                addresses.append(address)
+                if value.numel():
+                    storages.setdefault(address, _route(where, here, key))
+            elif level >= MAX_DEPTH:
+                slots[at] = _BEYOND
+                cut = cut or _route(where, here, key)
+            elif id(value) not in seen:
+                seen.add(id(value))
+                queue.append((value, level + 1, _route(where, here, key)))
+        nodes.append((holder, tuple(slots), _values(here)))
+    if cut is not None:
+        say_once(("map cut", name), f"boundary: {name}'s memory is mapped {MAX_DEPTH} levels down and {MAP_VALUES} "
+                                    f"values wide; {cut} and what lies beyond it are not compared with results")
+    moved = set() if before is None or _owner(before[0]) is not epilogue else \
+        {route for route, value in routes.items() if before[5].get(route, value) is not value}
+    for route in sorted(moved & before[6]) if moved else ():
+        say_once(("moving", route), f"boundary: {route} holds another object at each check, so {name}'s memory "
+                                    "is walked again each time (if it holds the step's results, not memory of its "
+                                    "own, it belongs in fence_boundary.REFERENCES)")
+    try:
+        owner = weakref.ref(epilogue, functools.partial(_forget, _storages, id(epilogue)))
+    except TypeError:  # no weak references to it: held, so its id is not reused while mapped
+        owner = epilogue
+    library = _library()
+    scan = None if library is None else library.boundary_scan(  # bound once: the same test of this map's freshness
+        holders.KINDS, holders._layouts, (holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING, holders.HOLDER),
+        (torch.Tensor, torch.nn.Parameter), owner, (_FREE, _BEYOND, _ANY), nodes, tensors, addresses,
+        list(storages), MAX_DEPTH, MAX_VALUES)
+    _storages.pop(id(epilogue), None)  # the newest last
+    cached = _storages[id(epilogue)] = (owner, nodes, (tuple(tensors), addresses), storages, scan, routes, moved)
+    while len(_storages) > 8:  # epilogues kept alive by a cycle through their map: the oldest go
+        _storages.pop(next(iter(_storages)))
+    if scan is not None:
+        _serve_native(library)
     return cached
+
+
+def _forget(maps: dict, key: int, owner) -> None:
+    """The epilogue died: its map (and the buffers it holds) goes, unless one for a new epilogue took its place."""
+    cached = maps.get(key)
+    if cached is not None and cached[0] is owner:
+        del maps[key]
 
 
 def _serve_native(library) -> None:
@@ -155,7 +343,7 @@ def _walk(result, epilogue) -> tuple[object, list[str]]:
     the budget before the result's own fields are looked at: `queue` holds (holder, level,
     index of its own holder in the queue, its key there); routes are spelled out only when
     said; the copies are put back deepest first."""
-    storages, name = persistent_storages(epilogue), type(epilogue).__name__
+    storages = persistent_storages(epilogue)
     queue, changes, routes, left, at = [(result, 1, -1, None)], {}, [], MAX_VALUES, 0
     while at < len(queue) and left >= 0:
         holder, level, _, _ = queue[at]
@@ -179,7 +367,7 @@ def _walk(result, epilogue) -> tuple[object, list[str]]:
                         continue
                     if buffer is not None:
                         changes.setdefault(at, {})[key] = value.clone()
-                        routes.append(f"{_route(_where(queue, at), holder, key)} <- {name}.{buffer}")
+                        routes.append(f"{_route(_where(queue, at), holder, key)} <- {buffer}")
                 elif level < MAX_DEPTH:
                     queue.append((value, level + 1, at, key))
                 else:

@@ -14,15 +14,19 @@ running the branch and copying its result. folded_fence builds it only when the 
 `read_accept` and `AcceptOuts` are exactly the checked source with nothing around them.
 It is also checked where it runs: in each process, the first PROOF_CALLS folded calls
 per batch size (again whenever the executor's class, the epilogue, its class or one of
-its buffers changes) run the engine's own path under a profiler and compare it with what the cheap form
-would hand out: the same Python frames (accept_and_finalize, note_static_verify and what
-it calls, read_accept; a decorator, a descriptor, an override, a __post_init__ or a
-tensor subclass's hook would be one more), the same struct type, and every field the
-very view the cheap form snapshots (storage, offset, shape, stride, dtype). Those calls
+its buffers changes, or a buffer is re-pointed in place) run the engine's own path under
+a profiler and compare it with what the cheap form would hand out: the same Python
+frames (accept_and_finalize, note_static_verify and what it calls, read_accept; a
+decorator, a descriptor, an override, a __post_init__ or a tensor subclass's hook would
+be one more), the same struct type, and every field the very view the cheap form
+snapshots (storage, offset, shape, stride, dtype). Those calls
 return the engine's result, copied. On any difference the process takes the general
-form for good and says why, once. Once trusted, each call checks by identity that nothing
-it relies on was swapped since (the epilogue, the classes, read_accept, the AcceptOuts
-that read_accept builds, the buffers, no instance attribute shadowing read_accept).
+form for good and says why, once. Once trusted, each call checks that nothing it relies
+on was swapped since: by identity the objects it holds (the epilogue, the classes,
+read_accept, the AcceptOuts that read_accept builds, the buffers, no instance attribute
+shadowing read_accept), and by memory the buffers: each still lies where it lay when its
+views were cut (storage, offset, sizes, strides, dtype: accept_snapshot.current, in C
+where the kernel library is loaded).
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class CheapForm:
         self.positional = takes_positionally(accept_outs, fields)
         self.folded, self.read = folded, read
         self.read_globals = read.__globals__  # where read_accept finds AcceptOuts at each call
-        self.views: dict = {}      # bs -> (the buffer objects, their [:bs] views)
+        self.views: dict = {}      # bs -> (the buffer objects, their [:bs] views, aliases of the buffers as they lay then)
         self.trusted: set = set()  # batch sizes proven for `context`
         self.proofs: dict = {}     # bs -> proofs passed for `context`
         self.context: tuple = ()   # (executor class, epilogue, epilogue class) the proofs hold for
@@ -96,10 +100,10 @@ class CheapForm:
         if kwargs.get("folded_accept") and kwargs.get("bs") in self.trusted:
             executor_class, proven, _ = self.context
             epilogue, bs = instance.verify_epilogue, kwargs["bs"]
-            buffers, views = self.views[bs]
+            buffers, views, was = self.views[bs]
             if (epilogue is proven and type(instance) is executor_class and type(epilogue).read_accept is self.read
                     and "read_accept" not in epilogue.__dict__ and self.read_globals.get("AcceptOuts") is self.accept_outs
-                    and all(map(operator.is_, buffers, self.buffers(epilogue)))):
+                    and accept_snapshot.current(buffers, self.buffers(epilogue), was)):
                 if self.notes:
                     epilogue.note_static_verify(bs)
                 copies = accept_snapshot.snapshot(views)
@@ -107,11 +111,12 @@ class CheapForm:
         return self._engine_path(wrapped, instance, args, kwargs)
 
     def _views(self, epilogue, bs: int) -> list:
-        """read_accept's [:bs] views, cached while the buffers are the same objects; a
-        buffer replaced voids the proofs at this batch size (it may be another kind)."""
+        """read_accept's [:bs] views, cached while each buffer is the same object over the same
+        memory (accept_snapshot.views_current); a buffer replaced, or re-pointed in place
+        (set_, .data =, a resize_), voids the proofs at this batch size: cut again, proven again."""
         bufs, hit = self.buffers(epilogue), self.views.get(bs)
-        if hit is None or not all(map(operator.is_, hit[0], bufs)):
-            hit = self.views[bs] = (bufs, [buf[:bs] for buf in bufs])
+        if hit is None or not accept_snapshot.current(hit[0], bufs, hit[2]):
+            hit = self.views[bs] = (bufs, [buf[:bs] for buf in bufs], tuple(buf.detach() for buf in bufs))
             self.trusted.discard(bs)
             self.proofs.pop(bs, None)
         return hit[1]

@@ -111,6 +111,7 @@ _use_kernel = True  # use_kernel() (tests, benchmarks)
 _use_c_form = True  # use_c_form() (benchmarks)
 _said_torch: set = set()  # sites whose values the fused kernel could not take, said once each
 _labels: dict = {}  # id(site member) -> (number, slug): Enum's .name costs about a microsecond per read
+_labelled: list = []  # those members, held: an id in _labels is never another object's (report_sync reads it too)
 _abort = False  # the last call's setting: stop at the first divergence seen
 _last_diverged: Optional[int] = None  # the site whose diverged count grew in the latest landed read
 _stopped: Optional[str] = None  # the abort's line, once raised: every later site call raises it before its broadcast
@@ -125,6 +126,7 @@ def label(site) -> tuple[int, str]:
     found = _labels.get(id(site))  # by identity: two enums may number the same site differently
     if found is None:
         found = _labels[id(site)] = (int(site), site.slug)
+        _labelled.append(site)
     return found
 
 
