@@ -4,30 +4,29 @@ pack's sites map onto that release's numbering, and the proof that it does the j
 
 One judgement for the three adapters that meet it: rank0_broadcast hands its selection
 over to it, group_min_memory relies on its memory probe, tp_divergence compares what
-its `sync` broadcasts. SUPERSEDED needs a proof, read from the engine's source (so an
-installed engine and one read from a release's sources are judged alike):
+its `sync` broadcasts. SUPERSEDED needs a proof, the same for an installed engine and
+one read from a release's sources:
 
-- the broadcast (`prove_broadcast`): `SpecTpSync.__init__` reads SGLANG_SPEC_TP_SYNC live
-  (`envs.SGLANG_SPEC_TP_SYNC.get()`, an EnvStr whose `get` reads os.environ) through
-  `parse_spec_tp_sync` and keeps those sites when its group has more than one rank;
-  `enabled` is membership of them; `sync` broadcasts `values` itself, in place, from
-  rank 0, over the group it was built with, and returns `values`; that group's
-  `GroupCoordinator.broadcast` broadcasts its input in place and returns it; nothing in
-  the engine subclasses SpecTpSync, reassigns its methods or its sites, and every call of
-  `.sync(...)` either passes a tensor the caller holds or uses what `sync` returns;
-- the probe (`prove_probe`): `available_memory_gb` calls the engine helper with
-  `distributed=enabled(site) and group.world_size > 1` and `cpu_group=group.cpu_group`,
-  over the `group` its caller passes, and the helper all_reduces MIN over that cpu_group;
+- what the class does, shown by running it (spectpsync.behaviour: the installed class in
+  this process, a tree's in a child interpreter): under the value the ranks will read it
+  selects what the engine's own parser reads, its `sync` broadcasts the caller's tensor
+  once from rank 0 and returns it at exactly those sites, and its `available_memory_gb`
+  reduces over the group its caller passes (`probe_reach`: only where its own group has
+  more than one rank, or whatever its own group, as upstream's fix #39954 does);
+- what running it cannot show, read from the source: the class and its methods are plain
+  (no decorator, metaclass or base); `GroupCoordinator.broadcast` broadcasts its input in
+  place and returns it; nothing in the engine subclasses SpecTpSync, reassigns its methods
+  or its sites, and every call of `.sync(...)` passes a tensor the caller holds or uses
+  what `sync` returns; the engine sets its switch only where it is unset; the helper
+  `get_available_gpu_memory` all_reduces MIN over the cpu_group it is given;
 - the groups (`worker_groups`): each worker builds its SpecTpSync over the group that runs
   one batch (`get_dp_tp_group()`: attention-TP under DP attention, else TP), or, 0.5.19's
   DFlash, over the TP group in a release that refuses DFlash with DP attention.
 
-The class and its methods must be plain (no decorator, metaclass or base); on an
-installed engine the class attributes must also be the very functions of the checked
-source (nothing wrapped them after import; the pack's own wrappers are looked through),
-and the class is run once against its own code with a recording group under each value
-the ranks may read (`_probe`): os.environ is presented for the call and restored,
-nothing is patched. Whatever is not shown is named in the Refused it raises.
+On an installed engine the class attributes must also be the very functions of the checked
+source (nothing wrapped them after import; the pack's own wrappers are looked through).
+Whatever is not shown is named in the Refused it raises; where a tree's class cannot run
+here, Undecided (decided at launch).
 """
 
 from __future__ import annotations
