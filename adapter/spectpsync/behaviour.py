@@ -28,6 +28,7 @@ This file imports nothing of the pack: the child runs it by path.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import hashlib
 import json
@@ -256,7 +257,10 @@ class _Child:
             self.process.kill()
 
 
-_children: dict = {}
+# Children kept warm (about 0.4 GB each): doctor --engine judges one tree, the tests many; the
+# least recently asked one goes first.
+KEEP_CHILDREN = 2
+_children: collections.OrderedDict = collections.OrderedDict()
 _answers: dict = {}
 
 
@@ -289,7 +293,10 @@ def observe_tree(tree: str, values) -> dict:
         place = (os.path.realpath(tree), key)
         child = _children.get(place)
         if child is None:
+            while len(_children) >= KEEP_CHILDREN:
+                _children.popitem(last=False)[1].close()
             child = _children[place] = _Child(str(tree))
+        _children.move_to_end(place)
         answer = child.ask(missing)
         for value in missing:
             _answers[(key, json.dumps(value))] = (answer["sites"], answer["values"][json.dumps(value)])
