@@ -392,7 +392,7 @@ def test_0_5_23_probe_not_shown_is_applied_by_the_pack():
                   gm.UPSTREAM_PROBE)
     outcome = runtime.decide(ON, drift.engine(), names=ONLY, topology=TP4).outcomes[0]
     assert outcome.state == runtime.APPLIED, outcome.reason
-    assert f"({upstream_sync.MODULE}:SpecTpSync: run against its own code" in outcome.reason
+    assert f"({upstream_sync.MODULE}:SpecTpSync.available_memory_gb: run against its own code" in outcome.reason
     assert "not once over the group it was given" in outcome.reason
 
 

@@ -114,7 +114,7 @@ def check_upstream(engine, module, context) -> Plan:
     try:
         what, selected = upstream_sync.selected(contract, context, engine)
     except Refused as exc:  # the class is not shown to select by its switch: the pack's probe serves every site
-        if not exc.symbol.endswith(f":{upstream_sync.CLASS}"):
+        if f":{upstream_sync.CLASS}" not in exc.symbol:
             raise  # the value itself: the engine would refuse it on every rank
         return _pack_probe(contract, engine, context, f"{exc.symbol}: {exc.problem}",
                            "the pack's probe reduces whichever site asks")

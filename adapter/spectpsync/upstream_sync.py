@@ -184,7 +184,7 @@ def _seen(contract: Contract, value: Optional[str], part: str = "") -> dict:
     if value is not None and seen["parse_error"]:
         raise _unparsed_value(contract, value, seen["parse_error"])
     if seen["built_error"]:
-        missing = re.search(r"object has no attribute '(\w+)'", seen["built_error"])
+        missing = re.search(rf"'{CLASS}' object has no attribute '(\w+)'", seen["built_error"])
         symbol = f"{CLASS}.{missing.group(1)}" if missing else CLASS  # a method it no longer has, named
         raise contract.refuse(symbol, f"built with {_said(value)} it raises {seen['built_error']}")
     if seen["problems"]:
