@@ -295,11 +295,6 @@ def _function(contract: Contract, name: str) -> ast.FunctionDef:
     return found[0]
 
 
-def _stores(tree, attr: str, receiver: str) -> list:
-    """Assignments to `<receiver>.attr` in `tree`."""
-    return [node for node in ast.walk(tree) if _assigns(node, attr, receiver)]
-
-
 def _assigns(node, attr: str, receiver: str) -> bool:
     """`node` is an assignment to `<receiver>.attr` (among its targets)."""
     targets = (node.targets if isinstance(node, ast.Assign) else
@@ -308,11 +303,6 @@ def _assigns(node, attr: str, receiver: str) -> bool:
                for target in targets for t in ast.walk(target))
 
 
-def _unparsed(statements) -> list[str]:
-    return [ast.unparse(s) for s in statements]
-
-
-@functools.lru_cache(maxsize=64)
 def _relevant(text: str, needles: tuple) -> tuple:
     """(node, parent) for the nodes of `text` whose lines hold one of `needles`, and the
     nodes enclosing them; other subtrees are not visited (most of a large file)."""
