@@ -303,6 +303,7 @@ def _assigns(node, attr: str, receiver: str) -> bool:
                for target in targets for t in ast.walk(target))
 
 
+@functools.lru_cache(maxsize=64)
 def _relevant(text: str, needles: tuple) -> tuple:
     """(node, parent) for the nodes of `text` whose lines hold one of `needles`, and the
     nodes enclosing them; other subtrees are not visited (most of a large file)."""
