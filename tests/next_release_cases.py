@@ -6,19 +6,23 @@ from __future__ import annotations
 
 def decisions(rank, world_size, cases):
     """For each (environment, layout or None), the decision a rank takes on the engine it
-    imports: outcomes, reasons, what is handed over and where it patches."""
+    imports (`row`)."""
     from sglang_dsv41_adapters.framework import runtime
     from sglang_dsv41_adapters.framework.topology import Topology
 
     out = []
     for env, layout in cases:
         topology = None if layout is None else Topology(layout[0], attn_dp_size=layout[1])
-        decision = runtime.decide(env, topology=topology)
-        out.append({"states": {o.adapter: o.state for o in decision.outcomes},
-                    "reasons": {o.adapter: o.reason for o in decision.outcomes},
-                    "env": {name: dict(plan.env) for name, plan in decision.plans.items()},
-                    "patches": {name: [p.where for p in plan.patches] for name, plan in decision.plans.items()}})
+        out.append(row(runtime.decide(env, topology=topology)))
     return out
+
+
+def row(decision) -> dict:
+    """What a decision says, as the tests compare it across deciders."""
+    return {"states": {o.adapter: o.state for o in decision.outcomes},
+            "reasons": {o.adapter: o.reason for o in decision.outcomes},
+            "env": {name: dict(plan.env) for name, plan in decision.plans.items()},
+            "patches": {name: [p.where for p in plan.patches] for name, plan in decision.plans.items()}}
 
 
 def handed_site_case(rank, world, *, nccl: bool = False, flag: str, site: str):

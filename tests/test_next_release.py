@@ -28,6 +28,7 @@ from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.topology import Topology
 from sglang_dsv41_adapters.spectpsync import upstream_sync
 from tests.agreement_cases import combos
+from tests.next_release_cases import row as as_row
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -67,11 +68,7 @@ def source_decisions(tree) -> list:
     out = []
     for env, layout in CASES:
         topology = None if layout is None else Topology(layout[0], attn_dp_size=layout[1])
-        decision = runtime.decide(env, engine, topology=topology)
-        out.append({"states": {o.adapter: o.state for o in decision.outcomes},
-                    "reasons": {o.adapter: o.reason for o in decision.outcomes},
-                    "env": {name: dict(plan.env) for name, plan in decision.plans.items()},
-                    "patches": {name: [p.where for p in plan.patches] for name, plan in decision.plans.items()}})
+        out.append(as_row(runtime.decide(env, engine, topology=topology)))
     return out
 
 
@@ -245,16 +242,16 @@ def changed(tmp_path_factory):
         imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
                              kwargs={"cases": cases}, timeout=600)[0]
         engine = SourceEngine(tree)
-        source = [runtime.decide(env, engine, topology=Topology(*layout)) for env, layout in cases]
+        source = [as_row(runtime.decide(env, engine, topology=Topology(*layout))) for env, layout in cases]
         out[name] = (imported, source)
     return out
 
 
 def test_a_changed_grammar_gets_one_verdict_from_source_and_import(changed):
     for name, (imported, source) in changed.items():
-        for row, decision in zip(imported, source):
-            assert row["states"] == {o.adapter: o.state for o in decision.outcomes}, (name, row["reasons"])
-            assert row["env"] == {n: dict(p.env) for n, p in decision.plans.items()}, name
+        for found, expected in zip(imported, source):
+            assert found["states"] == expected["states"], (name, found["reasons"], expected["reasons"])
+            assert found["env"] == expected["env"], name
     no_numbers, _ = changed["no-numbers"]
     assert no_numbers[0]["env"]["rank0_broadcast"] == {"SGLANG_SPEC_TP_SYNC": "dspark-plan,dspark-accept-greedy"}
     assert no_numbers[0]["states"]["rank0_broadcast"] == runtime.SUPERSEDED

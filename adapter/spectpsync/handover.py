@@ -15,29 +15,22 @@ engine cannot read is refused before any rank sees it.
 
 from __future__ import annotations
 
-from ..engine.contract import Contract
+from ..engine.contract import Contract, Refused
 from . import sites as grammar
 from . import upstream_sync
 from .sites import PACK, UPSTREAM, slug_of
 
 
-def tokens(raw: str) -> list[str]:
-    """The selection's tokens as the grammar reads them."""
-    return [t for t in raw.replace(" ", "").replace("_", "-").lower().split(",") if t]
-
-
-def known_numbers(contract: Contract) -> dict[int, str]:
-    """Engine number -> engine name, for the engine's sites the pack knows (by name, or as
-    the per-path draft sites of 0.5.19 - 0.5.21)."""
-    names = {name: number for name, number in upstream_sync.engine_sites(contract).items()}
-    known = {}
+def known_numbers(contract: Contract) -> frozenset[int]:
+    """The engine's numbers of the sites the pack knows (by name, or as the per-path draft
+    sites of 0.5.19 - 0.5.21)."""
+    known = set()
     for site in UPSTREAM:
         try:
-            numbers = upstream_sync.to_engine(contract, {site})
-        except Exception:  # a site this release lacks is simply not among the known
+            known |= upstream_sync.to_engine(contract, {site})
+        except Refused:  # a site this release lacks is simply not among the known
             continue
-        known.update({n: name for name, n in names.items() if n in numbers})
-    return known
+    return frozenset(known)
 
 
 def value(contract: Contract, raw: str, flag: str) -> str:
@@ -45,7 +38,7 @@ def value(contract: Contract, raw: str, flag: str) -> str:
     names = {number: name for name, number in upstream_sync.engine_sites(contract).items()}
     slug = lambda n: slug_of(names[n])  # noqa: E731
     planned = []
-    for token in tokens(raw):
+    for token in grammar.tokens(raw):
         sign, name = ("-", token[1:]) if token.startswith("-") else ("", token)
         meant = grammar.parse_value(name, flag)
         if meant and meant <= PACK:
@@ -59,7 +52,7 @@ def value(contract: Contract, raw: str, flag: str) -> str:
         else:
             handed.append(sign + name)
     wanted = upstream_sync.to_engine(contract, grammar.parse_value(raw, flag) - PACK)
-    known = set(known_numbers(contract))
+    known = known_numbers(contract)
     first = ",".join(handed) or "none"
     got = upstream_sync.engine_parse(contract, first)
     fixes = [slug(n) for n in sorted(wanted - got)] + ["-" + slug(n) for n in sorted((got & known) - wanted)]
@@ -69,7 +62,7 @@ def value(contract: Contract, raw: str, flag: str) -> str:
 def unknown_sites(contract: Contract, numbers) -> list[str]:
     """The engine's sites among `numbers` that the pack does not know, each with what the
     engine's source says of it (the comment on or above its line), where it says anything."""
-    known = set(known_numbers(contract))
+    known = known_numbers(contract)
     names = {number: name for name, number in upstream_sync.engine_sites(contract).items()}
     notes = site_comments(contract)
     return [f"{n}:{slug_of(names[n])}" + (f" ({notes[names[n]]})" if notes.get(names[n]) else "")

@@ -93,12 +93,15 @@ def accepted_forms() -> str:
             f"retired draft handles 2-6; each optionally negated with a leading '-', comma-separated")
 
 
+def tokens(raw: str) -> list[str]:
+    """A selection's tokens as the grammar reads them: spaces dropped, "_" read as "-", any case."""
+    return [token for token in raw.replace(" ", "").replace("_", "-").lower().split(",") if token]
+
+
 def parse_value(raw: str, flag: str = "DSV41_SPEC_TP_SYNC") -> frozenset:
     """Upstream's parse_spec_tp_sync, token for token (FlagError instead of ValueError)."""
     sites: frozenset = frozenset()
-    for token in raw.replace(" ", "").replace("_", "-").lower().split(","):
-        if not token:
-            continue
+    for token in tokens(raw):
         if token.startswith("-"):
             sites = sites - _resolve(token[1:], raw, flag)
         else:
