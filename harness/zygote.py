@@ -50,7 +50,9 @@ LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
         "SGLANG_ADAPTERS_SNAPSHOT_KERNEL", "SGLANG_PLUGINS", "SGLANG_SPEC_TP_SYNC")
 # The pack's flags, and the near-misses of them it reports (DSV4_..., dsv41_...): read by the pack only.
 LATE_PREFIXES = ("DSV4", "dsv4")
-KEEP = 6  # warm parents per test process (about 0.9 GB each); the least recently used one goes first
+# Warm parents per test process (about 0.9 GB each); the least recently used one goes first.
+# HARNESS_ZYGOTES lowers it where several test runs share a small machine.
+KEEP = max(1, int(os.environ.get("HARNESS_ZYGOTES", "6")))
 
 
 class Unavailable(RuntimeError):
