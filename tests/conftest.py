@@ -45,6 +45,20 @@ class Step:
         return {name: torch.equal(getattr(outs, name), value) for name, value in self.values.items()}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _proof_cache(tmp_path_factory):
+    """The run's own proof cache (engine.proofs), empty at its start: never the user's."""
+    from sglang_dsv41_adapters.engine import proofs
+
+    before = os.environ.get(proofs.ENV)
+    os.environ[proofs.ENV] = str(tmp_path_factory.mktemp("proofs"))
+    yield
+    if before is None:
+        os.environ.pop(proofs.ENV, None)
+    else:
+        os.environ[proofs.ENV] = before
+
+
 @pytest.fixture(autouse=True)
 def _launcher_label():
     """A test that labels this process a rank leaves it the launcher for the next one."""

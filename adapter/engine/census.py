@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from .contract import Refused
-from . import syntax
+from . import proofs, syntax
 from .syntax import scoped_nodes
 
 # Kinds of reference (UNPARSED: a file holding a name that does not parse; never known).
@@ -107,6 +107,7 @@ def files_holding(engine, names) -> set:
 
 
 _HOLDING: dict = {}  # file set -> {name: files whose text holds it}
+_TREES: dict = {}    # file set -> its key in the proof cache (the modules' names and contents)
 _SORTED: dict = {}   # id(an engine's files mapping) -> (the mapping, its items sorted)
 
 
@@ -127,14 +128,24 @@ def _sorted_files(engine) -> tuple:
 def reset() -> None:
     """Forget which files hold which names and the references found (tests that change files)."""
     _HOLDING.clear()
+    _TREES.clear()
     _references.cache_clear()
 
 
 def _holding(files: tuple, names: tuple) -> dict:
     """For each name, the files (module, path) whose text holds it: a plain substring test
-    (any alias site holds the name), all missing names in one read of the files."""
+    (any alias site holds the name), all missing names in one read of the files; kept in
+    the proof cache per name under the content of every file (engine.proofs)."""
     known = _HOLDING.setdefault(files, {})
     missing = set(names) - known.keys()
+    if missing:
+        tree = _TREES.get(files) or _TREES.setdefault(files, proofs.tree_digest(files))
+        paths = dict(files)
+        for name in sorted(missing):
+            stored = proofs.get("census-holding", (tree, name))
+            if stored is not proofs.MISSING:
+                known[name] = [(module, paths[module]) for module in stored]
+        missing -= known.keys()
     if missing:
         groups = _key_groups(missing)
         hits = {name: [] for name in missing}
@@ -147,8 +158,13 @@ def _holding(files: tuple, names: tuple) -> dict:
                         if needle in data:
                             hits[name].append((module, path))
         known.update(hits)
-        while len(_HOLDING) > 8:
-            _HOLDING.pop(next(iter(_HOLDING)))
+        _TREES[files] = proofs.tree_digest(files)
+        if _TREES[files] == tree:  # no file changed while it was read: the key is the scan's
+            for name, found in sorted(hits.items()):
+                proofs.put("census-holding", (tree, name), tuple(module for module, _ in found))
+    for kept in (_HOLDING, _TREES):
+        while len(kept) > 8:
+            kept.pop(next(iter(kept)))
     return {name: known[name] for name in names}
 
 
@@ -177,11 +193,13 @@ def _references(files: tuple, names: tuple, holding: tuple) -> tuple:
             data = handle.read()
         hit = {name for name in names if name.encode() in data}
         found.extend(r._replace(name=min(hit)) if r.kind == UNPARSED else r
-                     for r in _file_references(module, path, data, hit) if r.kind == UNPARSED or r.name in hit)
+                     for r in map(Reference._make, _file_references(module, path, data, tuple(sorted(hit))))
+                     if r.kind == UNPARSED or r.name in hit)
     return tuple(found)
 
 
-def _file_references(module: str, path: str, data: bytes, names) -> list:
+@proofs.memo("census-references")
+def _file_references(module: str, path: str, data: bytes, names: tuple) -> tuple:
     """The identifier-bearing nodes of one file on the lines that hold one of `names`,
     with their scope. Nodes whose lines hold none of them are not visited."""
     try:
@@ -190,7 +208,7 @@ def _file_references(module: str, path: str, data: bytes, names) -> list:
         except UnicodeDecodeError:
             tree = ast.parse(data, filename=path)
     except (SyntaxError, ValueError) as exc:  # unreadable: a reference there cannot be judged
-        return [Reference(module, path, getattr(exc, "lineno", 0) or 0, "<module>", "", UNPARSED, None)]
+        return ((module, path, getattr(exc, "lineno", 0) or 0, "<module>", "", UNPARSED, None),)
     needles = [name.encode() for name in names]
     lines = [n for n, text in enumerate(data.split(b"\n"), 1) if any(needle in text for needle in needles)]
     found = []
@@ -233,7 +251,7 @@ def _file_references(module: str, path: str, data: bytes, names) -> list:
             for word in set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", node.value)):
                 add(node, function, word, STRING)
     found.sort(key=lambda r: r.line)
-    return found
+    return tuple(map(tuple, found))
 
 
 def _receiver(node) -> Optional[str]:

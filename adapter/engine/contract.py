@@ -8,11 +8,12 @@ symbol and the engine version: the engine must then not start.
 
 from __future__ import annotations
 
+import functools
 import inspect
-import os
 from collections.abc import Iterable
 from typing import Callable, Optional
 
+from . import proofs
 from .installed import engine_version, version_of
 from .source_engine import SourceOnly
 from .syntax import Found, index, within
@@ -46,15 +47,24 @@ class Undecided(Exception):
 class Contract:
     """Checks one engine module on behalf of one adapter; every failure is a `Refused`."""
 
-    def __init__(self, adapter: str, module, *, name: Optional[str] = None, source: Optional[str] = None):
-        """`name` and `source` stand in for another file of the same engine as `module`."""
+    def __init__(self, adapter: str, module, *, name: Optional[str] = None, source: Optional[str] = None,
+                 version: Optional[str] = None):
+        """`name` and `source` stand in for another file of the same engine as `module`;
+        `version`, for the release of a contract without a module (detached)."""
         self.adapter = adapter
         self.module = module
         self.name = name or module.__name__
         self._source = source
+        self.version = version
 
     def refuse(self, symbol: str, problem: str) -> Refused:
-        return Refused(self.adapter, f"{self.name}:{symbol}", problem, version_of(self.module))
+        return Refused(self.adapter, f"{self.name}:{symbol}", problem, self.version or version_of(self.module))
+
+    def detached(self) -> "Contract":
+        """This contract on its module's source alone: a check given it reads nothing of the
+        live module (its `module` is None)."""
+        return Contract(self.adapter, None, name=self.name, source=self.source(),
+                        version=self.version or version_of(self.module))
 
     def attr(self, dotted: str):
         """Resolve `Class.attr` in the module. A class attribute must be defined on the
@@ -132,17 +142,42 @@ class Contract:
         return list(index(self.source()).calls_of.get((method, name), ()))
 
     def only_used_in(self, name: str, functions: Iterable[str], *, attribute: bool = False, required: bool = True,
-                     ignore: Callable[["Found"], bool] = lambda found: False) -> list["Found"]:
+                     ignore: Optional[Callable[["Found"], bool]] = None) -> list[tuple[str, int]]:
         """`name` is read only inside `functions` (and, if `required`, at least once): a read
-        anywhere else is a path the adapter does not cover; a site that vanished has moved."""
+        anywhere else is a path the adapter does not cover; a site that vanished has moved.
+        The reads, (function, line) each, `ignore`d ones left out."""
         functions = tuple(functions)
-        found = [f for f in self.uses(name, attribute=attribute) if not ignore(f)]
+        if ignore is None:
+            found = _reads(self, name, attribute)
+        else:
+            found = tuple((f.function, f.line) for f in self.uses(name, attribute=attribute) if not ignore(f))
         if not found and required:
             raise self.refuse(name, f"no longer used in {', '.join(functions)}; the site moved")
-        for f in found:
-            if not within(f.function, functions):
-                raise self.refuse(f.function, f"line {f.line} uses {name}, a path this adapter does not cover")
-        return found
+        for function, line in found:
+            if not within(function, functions):
+                raise self.refuse(function, f"line {line} uses {name}, a path this adapter does not cover")
+        return list(found)
+
+
+def source_proof(kind: str):
+    """A check of one module's source alone, kept in the proof cache (engine.proofs):
+    `check(contract, *plain)` runs on the contract detached from the live module, and what it
+    returns (plain data) is kept under the source's sha256, the contract's adapter, module
+    name and release, and the plain arguments. A refusal is not kept: it is raised again."""
+    def decorate(check):
+        @functools.wraps(check)
+        def kept(contract: Contract, *args):
+            version = contract.version or version_of(contract.module)
+            key = (contract.adapter, contract.name, version, ("sha256", proofs.digest(contract.source())), *args)
+            return proofs.cached(kind, key, lambda: check(contract.detached(), *args))
+        return kept
+    return decorate
+
+
+@source_proof("contract-reads")
+def _reads(contract: Contract, name: str, attribute: bool) -> tuple:
+    """(function, line) of every read of `name` in the module (Contract.uses)."""
+    return tuple((f.function, f.line) for f in contract.uses(name, attribute=attribute))
 
 
 def _not_callable(value) -> str:
@@ -175,18 +210,11 @@ def target_modules(adapter: str, engine, targets) -> dict:
     return found
 
 
-_SOURCES: dict = {}  # (file, its modification time, first line, qualified name) -> source
-
-
 def _function_source(func) -> str:
-    """inspect.getsource(func), tokenized once per function of a file as it stands."""
+    """inspect.getsource(func): the `def` block at the code's first line in its file, kept in
+    the proof cache under that file's content and that line (what getsource reads)."""
     code = getattr(inspect.unwrap(func), "__code__", None)
-    if code is None:
+    content = proofs.content_digest(code.co_filename) if code is not None else None
+    if content is None:  # not a file (linecache may still hold it)
         return inspect.getsource(func)
-    try:
-        key = (code.co_filename, os.stat(code.co_filename).st_mtime_ns, code.co_firstlineno, code.co_qualname)
-    except OSError:  # not a file (linecache may still hold it)
-        return inspect.getsource(func)
-    if key not in _SOURCES:
-        _SOURCES[key] = inspect.getsource(func)
-    return _SOURCES[key]
+    return proofs.cached("function-source", (content, code.co_firstlineno), lambda: inspect.getsource(func))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 import inspect
 
-from .contract import Contract, target_modules
+from .contract import Contract, source_proof, target_modules
 from .syntax import parse
 
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
@@ -45,6 +45,7 @@ def _getter_source(contract: Contract, name: str):
         raise contract.refuse(f"ParallelContext.{name}", f"getter source is unreadable ({exc})")
 
 
+@source_proof("parallel-groups-declared")
 def _declared(contract: Contract, name: str) -> bool:
     """`name = Derived(...)` in class Parallel's own body."""
     for node in parse(contract.source()).body:
@@ -54,6 +55,13 @@ def _declared(contract: Contract, name: str) -> bool:
                        and any(isinstance(t, ast.Name) and t.id == name for t in item.targets)
                        for item in node.body)
     raise contract.refuse("Parallel", "missing: the class that declares the runtime context's groups")
+
+
+@source_proof("parallel-groups-called-at-import")
+def _called_at_import(contract: Contract, function: str) -> bool:
+    """`function()` is called at the module's top level."""
+    called = (node.value for node in parse(contract.source()).body if isinstance(node, ast.Expr))
+    return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == function for c in called)
 
 
 def check(adapter: str, engine) -> str:
@@ -80,8 +88,7 @@ def check(adapter: str, engine) -> str:
     installer = context.function_source(INSTALLER)
     if INSTALLS not in installer or "Derived" not in context.function_source("_derived_widths"):
         raise context.refuse(INSTALLER, f"no longer reads `{INSTALLS}` over Parallel's Derived declarations")
-    called = (node.value for node in parse(context.source()).body if isinstance(node, ast.Expr))  # module level
-    if not any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == INSTALLER for c in called):
+    if not _called_at_import(context, INSTALLER):
         raise context.refuse(INSTALLER, "is no longer called when the module is imported")
     modules = target_modules(adapter, engine, ((FIELDS, True), (PARALLEL_STATE, True)))
     fields, state = Contract(adapter, modules[FIELDS]), Contract(adapter, modules[PARALLEL_STATE])

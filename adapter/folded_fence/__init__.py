@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..engine import census
 from ..engine import syntax
-from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
+from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, source_proof, target_modules
 from ..engine.installed import from_source
 from ..framework import patching
 from ..framework.flags import parse_switch
@@ -91,14 +91,15 @@ ESCAPE_PARAMS = {
 }
 
 
-def _reader_uses(contract: Contract, allowed) -> list:
-    """Every read of an epilogue reader in the module, other than a write target (passed
-    as `out=`/`*_out=`: the callee writes through the views); one outside `allowed` is an
-    escape route the fence does not cover, and it refuses."""
+@source_proof("folded-fence-reader-uses")
+def _reader_uses(contract: Contract, allowed: tuple) -> tuple:
+    """The functions that read an epilogue reader in the module, other than as a write target
+    (passed as `out=`/`*_out=`: the callee writes through the views); a read outside
+    `allowed` is an escape route the fence does not cover, and it refuses."""
     written = {id(kw.value.func) for found in contract.all_calls() for kw in found.node.keywords
                if kw.arg and (kw.arg == "out" or kw.arg.endswith("_out")) and isinstance(kw.value, ast.Call)}
-    return [f for reader in READERS for f in contract.only_used_in(
-        reader, allowed, attribute=True, required=False, ignore=lambda f: id(f.node) in written)]
+    return tuple(function for reader in READERS for function, _ in contract.only_used_in(
+        reader, allowed, attribute=True, required=False, ignore=lambda f: id(f.node) in written))
 
 
 # The census (adapter.engine.census): every reference anywhere in the engine to an epilogue
@@ -249,6 +250,7 @@ def _folded_wrapper(contract: Contract, engine) -> tuple:
     return fence_forms.cheap_form(FIELDS, buffers, branch[0], contract.attr("AcceptOuts"), folded, read), None
 
 
+@source_proof("folded-fence-built-by-keywords")
 def _built_by_keywords(contract: Contract) -> bool:
     """AcceptOuts takes its fields as read_accept passes them, one keyword each, and runs
     nothing of its own (no __init__, __new__, __post_init__, init=False), nor do the bases
@@ -335,8 +337,8 @@ def _module_plan(contract: Contract, engine) -> Plan:
         contract.params(READ, {"self": POSITIONAL, "bs": POSITIONAL})
         contract.params(FOLDED, ESCAPE_PARAMS[FOLDED])
     escapes = ESCAPES[key]
-    found = _reader_uses(contract, tuple(escapes) + tuple(NOT_ESCAPES.get(key, ())))
-    seen = sorted({f.function for f in found if f.function in escapes})
+    found = _reader_uses(contract, tuple(escapes) + tuple(sorted(NOT_ESCAPES.get(key, ()))))
+    seen = sorted({function for function in found if function in escapes})
     patches, notes = [], []
     for function in seen:
         owner_name, _, attr = function.rpartition(".")

@@ -96,6 +96,7 @@ def _inside(value, path: str, depth: int = 0) -> Iterator[tuple[str, object]]:
 # What a value of each type can hold besides itself (decided once per type).
 LEAF, FUNCTION, CONTAINER, HOLDER = range(4)
 _kinds: dict[type, int] = {}
+_leaves: set[type] = set()  # the LEAF types whose values are not classes (walk skips them at once)
 
 
 def _kind(kind: type) -> int:
@@ -112,7 +113,14 @@ def _kind(kind: type) -> int:
         else:
             found = LEAF
         _kinds[kind] = found
+        if found == LEAF and not issubclass(kind, type):
+            _leaves.add(kind)
     return found
+
+
+def _only(items, kinds: tuple) -> bool:
+    """Every item is of a type of one of `kinds` (each type of them looked up once)."""
+    return all(_kind(kind) in kinds for kind in set(map(type, items)))
 
 
 def _plain(value, ids: set[int]) -> bool:
@@ -123,12 +131,12 @@ def _plain(value, ids: set[int]) -> bool:
         return True
     if kind == FUNCTION:
         defaults, kwdefaults = value.__defaults__, value.__kwdefaults__
-        return ((defaults is None or (ids.isdisjoint(map(id, defaults)) and all(_kind(type(d)) == LEAF for d in defaults)))
+        return ((defaults is None or (ids.isdisjoint(map(id, defaults)) and _only(defaults, (LEAF,))))
                 and (kwdefaults is None or (ids.isdisjoint(map(id, kwdefaults.values()))
-                                            and all(_kind(type(d)) == LEAF for d in kwdefaults.values()))))
+                                            and _only(kwdefaults.values(), (LEAF,)))))
     if kind == CONTAINER:  # an item is looked into one level deeper (a partial in a table)
         items = value.values() if type(value) is dict else value
-        return ids.isdisjoint(map(id, items)) and all(_kind(type(item)) in (LEAF, FUNCTION) for item in items)
+        return ids.isdisjoint(map(id, items)) and _only(items, (LEAF, FUNCTION))
     return False
 
 
@@ -157,10 +165,10 @@ def stale_bindings(saved: list[Saved], modules: Optional[dict] = None) -> list[t
             if vid in ids:
                 held(module_name, f"{prefix}.{key}", value)
                 continue
-            if vid in done:
+            kind = type(value)
+            if kind in _leaves or vid in done:  # a leaf holds nothing: not even remembered
                 continue
             done.add(vid)
-            kind = type(value)
             if kind is types.FunctionType:
                 if (value.__defaults__ is not None or value.__kwdefaults__ is not None) and not _plain(value, ids):
                     # named by its own module: an imported function is held, not defined, here

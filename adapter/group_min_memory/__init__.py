@@ -36,7 +36,7 @@ import os
 from collections.abc import Mapping
 from typing import Optional
 
-from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, Refused, target_modules
+from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, Refused, source_proof, target_modules
 from ..framework.flags import parse_switch
 from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Patch, Plan, combine
@@ -158,13 +158,12 @@ def _pack_probe(contract: Contract, engine, context, why_not: str, sites: str) -
 def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
     """0.5.19+: the consumer asks SpecTpSync for the memory (or, 0.5.19-0.5.21 sampler,
     receives it as a parameter). None when the module shows neither."""
-    asked = contract.uses("available_memory_gb", attribute=True)
-    for found in contract.calls("available_memory_gb", method=True):
-        first = found.node.args[0] if found.node.args else None
-        if not (isinstance(first, ast.Attribute) and first.attr == probe.site.name):
-            raise contract.refuse(probe.function, f"line {found.line} no longer probes site {probe.site.name}")
-        if len(found.node.args) != 3 or [k.arg for k in found.node.keywords] != ["group"]:
-            raise contract.refuse(probe.function, f"line {found.line} no longer passes (site, device, gpu_id, group=...)")
+    asked, calls = _probe_calls(contract)
+    for line, site, arguments, keywords in calls:
+        if site != probe.site.name:
+            raise contract.refuse(probe.function, f"line {line} no longer probes site {probe.site.name}")
+        if arguments != 3 or keywords != ("group",):
+            raise contract.refuse(probe.function, f"line {line} no longer passes (site, device, gpu_id, group=...)")
     if asked:
         contract.only_used_in("available_memory_gb", (probe.function,), attribute=True)
         return Plan("superseded", f"{probe.function} probes through {upstream_sync.MODULE}:{UPSTREAM_PROBE}({probe.site.name})")
@@ -172,6 +171,19 @@ def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
     if func is not None and "available_memory_gb" in inspect.signature(func).parameters:
         return Plan("superseded", f"{probe.function} takes available_memory_gb from {UPSTREAM_PROBE}({probe.site.name})")
     return None
+
+
+@source_proof("group-min-memory-probe-calls")
+def _probe_calls(contract: Contract) -> tuple:
+    """From the module's source: whether it reads `.available_memory_gb`, and each
+    `.available_memory_gb(...)` call as (line, the attribute its first argument reads or
+    None, how many positional arguments, its keywords)."""
+    calls = []
+    for found in contract.calls("available_memory_gb", method=True):
+        first = found.node.args[0] if found.node.args else None
+        calls.append((found.line, first.attr if isinstance(first, ast.Attribute) else None, len(found.node.args),
+                      tuple(k.arg for k in found.node.keywords)))
+    return bool(contract.uses("available_memory_gb", attribute=True)), tuple(calls)
 
 
 def _module_plan(module) -> Plan:

@@ -39,12 +39,11 @@ SpecTpSync over, beside the engine's sites, which it does not touch.
 from __future__ import annotations
 
 import ast
-import functools
 import textwrap
 from typing import Optional
 
-from ..engine import parallel_groups, syntax
-from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, target_modules
+from ..engine import parallel_groups, proofs, syntax
+from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, source_proof, target_modules
 from ..framework.plan import Hook, Patch, Plan, check_hook
 from ..spectpsync import broadcast as pack
 from ..spectpsync.broadcast import DFLASH, bind_group, resolve_group, worker_server_args
@@ -154,6 +153,7 @@ def _tree(text: str) -> ast.Module:
     return syntax.parse(textwrap.dedent(text))
 
 
+@source_proof("dflash-draft-defined")
 def _defined(contract: Contract, name: str) -> bool:
     tree = _tree(contract.source())
     return any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name for n in tree.body) or any(
@@ -181,7 +181,7 @@ def _producers(contract: Contract) -> tuple[tuple[int, str], ...]:
     return _producers_in(contract.function_source(FORWARD))
 
 
-@functools.lru_cache(maxsize=16)
+@proofs.memo("dflash-draft-producers")
 def _producers_in(text: str) -> tuple[tuple[int, str], ...]:
     function = _tree(text)
     found = []

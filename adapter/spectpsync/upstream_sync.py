@@ -40,9 +40,9 @@ import re
 import types
 from typing import Optional
 
-from ..engine import census
+from ..engine import census, proofs
 from ..engine import syntax
-from ..engine.contract import Contract, Refused, Undecided
+from ..engine.contract import Contract, Refused, Undecided, source_proof
 from ..engine.installed import from_source, version_of
 from . import behaviour
 from .sites import MEMORY, Site
@@ -168,9 +168,9 @@ def observed(contract: Contract, values) -> dict:
 
 
 def reset() -> None:
-    """Forget what was observed of installed classes and which sources were shown (tests)."""
+    """Forget what was observed of installed classes (tests); what was shown of source texts
+    is kept by their content (engine.proofs)."""
     _OBSERVED.clear()
-    _SHOWN.clear()
 
 
 def _said(value: Optional[str]) -> str:
@@ -325,15 +325,11 @@ def _relevant(text: str, needles: tuple) -> tuple:
 # ---------------------------------------------------------------- the broadcast
 
 
-_SHOWN: set = set()  # (proof, the source texts it read) shown in this process
-
-
 def _shown_once(key: tuple, prove) -> None:
-    """Run a static proof once per set of source texts it reads: its verdict depends on
-    those texts alone (a refusal is not kept: it is raised again on the next call)."""
-    if key not in _SHOWN:
-        prove()
-        _SHOWN.add(key)
+    """Run a static proof once per set of source texts it reads (kept in the proof cache):
+    its verdict depends on those texts alone (a refusal is not kept: it is raised again on
+    the next call)."""
+    proofs.cached("spectpsync-shown", proofs.key_of(key), lambda: prove() or True)
 
 
 def _prove_group_broadcast(contract: Contract, engine) -> None:
@@ -409,7 +405,7 @@ def _last_name(node) -> Optional[str]:
     return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
 
 
-@functools.lru_cache(maxsize=256)
+@proofs.memo("spectpsync-file-scan")
 def _file_scan(module: str, data: bytes) -> tuple:
     """_engine_scan's findings in one file ((line, problem) pairs), by its text (the same
     file in another engine tree is read once)."""
@@ -513,6 +509,15 @@ def prove_helper(contract: Contract, engine) -> str:
     """The engine helper get_available_gpu_memory(device, gpu_id, distributed, empty_cache,
     cpu_group) all_reduces MIN over `cpu_group` when `distributed`, and returns that."""
     home = _other(contract, engine, HELPER_HOME)
+    line = _helper_reduces(home)
+    if not from_source(home.module):
+        _live_function(home, getattr(home.module, HELPER), HELPER, line)
+    return f"{HELPER_HOME}.{HELPER} all_reduces MIN over the cpu_group it is given when distributed"
+
+
+@source_proof("spectpsync-helper-reduces")
+def _helper_reduces(home: Contract) -> int:
+    """prove_helper from the helper's source: the line of its `def`."""
     func = _function(home, HELPER)
     params = _params(func)
     symbol = HELPER
@@ -533,9 +538,7 @@ def prove_helper(contract: Contract, engine) -> str:
     if reduced is None or not (isinstance(last, ast.Return) and any(
             isinstance(n, ast.Name) and n.id == reduced for n in ast.walk(last))):
         raise home.refuse(symbol, "no longer all_reduces MIN over cpu_group when distributed and returns that minimum")
-    if not from_source(home.module):
-        _live_function(home, getattr(home.module, HELPER), func)
-    return f"{HELPER_HOME}.{HELPER} all_reduces MIN over the cpu_group it is given when distributed"
+    return func.lineno
 
 
 def probe_reach(contract: Contract, engine, run_with: Optional[str] = None) -> tuple[list[str], str]:
@@ -578,10 +581,15 @@ def _batch_group_rule(contract: Contract, engine, expression: str) -> bool:
         binding = getattr(contract.module, "get_dp_tp_group", None)
         if (getattr(binding, "__module__", None), getattr(binding, "__name__", None)) != (DP_ATTENTION, "get_dp_tp_group"):
             return False
-        dp = _other(contract, engine, DP_ATTENTION)
-        returns = [ast.unparse(s.value) for s in _body(_function(dp, "get_dp_tp_group")) if isinstance(s, ast.Return)]
+        returns = _returns(_other(contract, engine, DP_ATTENTION), "get_dp_tp_group")
         return len(returns) == 1 and _batch_rule(returns[0])
     return _batch_rule(expression)
+
+
+@source_proof("spectpsync-returns")
+def _returns(contract: Contract, name: str) -> tuple:
+    """What the module-level function `name` returns, one expression per return statement."""
+    return tuple(ast.unparse(s.value) for s in _body(_function(contract, name)) if isinstance(s, ast.Return))
 
 
 def _batch_rule(expression: str) -> bool:
@@ -597,10 +605,15 @@ def _batch_rule(expression: str) -> bool:
 def _refuses_dflash_under_dp(contract: Contract, engine) -> bool:
     """The release rejects DFlash with DP attention at start-up (0.5.19's _handle_dflash)."""
     try:
-        hook = _other(contract, engine, SPECULATIVE_HOOK)
-        func = _function(hook, "_handle_dflash")
+        return _raises_under_dp(_other(contract, engine, SPECULATIVE_HOOK))
     except (Refused, ModuleNotFoundError):
         return False
+
+
+@source_proof("spectpsync-dflash-under-dp")
+def _raises_under_dp(hook: Contract) -> bool:
+    """_handle_dflash raises where DP attention is on."""
+    func = _function(hook, "_handle_dflash")
     return any(isinstance(n, ast.If) and "enable_dp_attention" in ast.unparse(n.test)
                and any(isinstance(s, ast.Raise) for s in n.body) for n in ast.walk(func))
 
@@ -616,16 +629,14 @@ def worker_groups(contract: Contract, engine) -> dict[str, str]:
         if module is None:
             continue
         found = Contract(contract.adapter, module)
-        built = found.calls(CLASS, method=False)
-        if len(built) != 1 or found.calls(CLASS, method=True) or len(built[0].node.args) != 1:
-            raise found.refuse(CLASS, f"is built {len(built)} times in {name}; expected once, with one group")
+        count, once, kept, group = _tp_sync_built(found, worker)
+        if not once:
+            raise found.refuse(CLASS, f"is built {count} times in {name}; expected once, with one group")
         binding = getattr(module, CLASS, None)
         if (getattr(binding, "__module__", None), getattr(binding, "__qualname__", None)) != (MODULE, CLASS):
             raise found.refuse(CLASS, f"is not {MODULE}.{CLASS} in {name} ({binding!r})")
-        kept = [node for node, _ in _relevant(found.source(), ("_tp_sync",)) if _assigns(node, "_tp_sync", "self")]
-        if built[0].function != f"{worker}.__init__" or len(kept) != 1 or ast.dump(kept[0].value) != ast.dump(built[0].node):
+        if not kept:
             raise found.refuse(f"{worker}.__init__", f"no longer builds its one self._tp_sync = {CLASS}(...)")
-        group = ast.unparse(built[0].node.args[0])
         if _batch_group_rule(found, engine, group):
             groups[worker] = BATCH
         elif group in ("get_tp_group()", "get_parallel().tp_group", "parallel.tp_group") and worker == "DFlashWorkerV2" \
@@ -635,6 +646,20 @@ def worker_groups(contract: Contract, engine) -> dict[str, str]:
             raise found.refuse(f"{worker}.__init__", f"builds {CLASS}({group}): not shown to be the group that runs "
                                                      "one batch (get_dp_tp_group())")
     return groups
+
+
+@source_proof("spectpsync-tp-sync-built")
+def _tp_sync_built(found: Contract, worker: str) -> tuple:
+    """From the worker module's source: (how many times it calls SpecTpSync(...), whether that
+    is once with one argument and never as a method, whether `worker.__init__` keeps exactly
+    that call as its one self._tp_sync, the group expression passed)."""
+    built = found.calls(CLASS, method=False)
+    once = len(built) == 1 and not found.calls(CLASS, method=True) and len(built[0].node.args) == 1
+    if not once:
+        return len(built), False, False, None
+    kept = [node for node, _ in _relevant(found.source(), ("_tp_sync",)) if _assigns(node, "_tp_sync", "self")]
+    alone = built[0].function == f"{worker}.__init__" and len(kept) == 1 and ast.dump(kept[0].value) == ast.dump(built[0].node)
+    return 1, True, alone, ast.unparse(built[0].node.args[0])
 
 
 def describe_groups(groups: dict) -> str:
@@ -660,14 +685,14 @@ def _own(owner, name: str):
     return current
 
 
-def _live_function(contract: Contract, func, node: ast.FunctionDef, qualname: Optional[str] = None) -> None:
-    """`func` is the plain function compiled from `node` of the module's own file."""
-    qualname = qualname or node.name
+def _live_function(contract: Contract, func, name: str, line: int, qualname: Optional[str] = None) -> None:
+    """`func` is the plain function compiled from the `def name` at `line` of the module's own file."""
+    qualname = qualname or name
     code = getattr(func, "__code__", None)
     same = (type(func) is types.FunctionType and not hasattr(func, "__wrapped__") and code is not None
             and func.__qualname__ == qualname and func.__module__ == contract.module.__name__
             and os.path.realpath(code.co_filename) == os.path.realpath(contract.module.__file__)
-            and code.co_firstlineno == node.lineno)
+            and code.co_firstlineno == line)
     if not same:
         raise contract.refuse(qualname, f"is {func!r}, not the function its source defines: something replaced "
                                         "or wrapped it after import")
@@ -686,7 +711,7 @@ def _live(contract: Contract, cls_node: ast.ClassDef) -> None:
     for name, value in vars(cls).items():
         value = _own(cls, name)
         if name in defined:
-            _live_function(contract, value, defined[name], f"{CLASS}.{name}")
+            _live_function(contract, value, name, defined[name].lineno, f"{CLASS}.{name}")
         elif callable(value) or hasattr(value, "__get__") and not isinstance(value, (str, type(None))):
             if name not in ("__dict__", "__weakref__", "__doc__", "__module__"):
                 raise contract.refuse(f"{CLASS}.{name}", "was added at run time; its source defines no such method")

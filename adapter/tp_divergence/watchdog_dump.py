@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from ..engine.contract import POSITIONAL, Contract, target_modules
+from ..engine.contract import POSITIONAL, Contract, source_proof, target_modules
 from ..framework.plan import Patch
 from . import divergence
 
@@ -36,6 +36,13 @@ def with_report_dump(wrapped, instance, args, kwargs):
     return wrapped(*bound.args, **bound.kwargs)
 
 
+@source_proof("watchdog-dump-built")
+def _built_with_dump_info(scheduler: Contract) -> tuple:
+    """The lines where the module calls WatchdogRaw(..., dump_info=...)."""
+    return tuple(call.line for call in scheduler.calls("WatchdogRaw", method=False)
+                 if any(k.arg == "dump_info" for k in call.node.keywords))
+
+
 def patch(engine) -> tuple[Patch, str]:
     """The patch on WatchdogRaw.__init__ and what the reason line says of it; refused where
     the watchdog no longer takes dump_info or the scheduler's no longer passes one."""
@@ -43,11 +50,10 @@ def patch(engine) -> tuple[Patch, str]:
     contract = Contract(NAME, modules[MODULE])
     contract.params("WatchdogRaw.__init__", {"dump_info": POSITIONAL})
     scheduler = Contract(NAME, modules[SCHEDULER_WATCHDOG])
-    built = [call for call in scheduler.calls("WatchdogRaw", method=False)
-             if any(k.arg == "dump_info" for k in call.node.keywords)]
+    built = _built_with_dump_info(scheduler)
     if not built:
         raise scheduler.refuse("create_scheduler_watchdog", "no longer builds WatchdogRaw(..., dump_info=...): the "
                                                             "scheduler's watchdog dump would not show the report")
     detail = (f"the scheduler's watchdog dump ({SCHEDULER_WATCHDOG}.create_scheduler_watchdog, line "
-              f"{built[0].line}) ends with the report's last landed state, at {MODULE}.WatchdogRaw.__init__")
+              f"{built[0]}) ends with the report's last landed state, at {MODULE}.WatchdogRaw.__init__")
     return Patch(contract.attr("WatchdogRaw"), "__init__", with_report_dump), detail
