@@ -40,14 +40,15 @@ from .engines import ROOT
 # switches of harness.nccl.NO_MULTICAST when NCCL and symmetric memory start).
 # COLUMNS and LINES: a terminal library of the test process may put them in its C environment
 # (what a spawned child inherits) without os.environ knowing; only a terminal's width reads them.
-# SGLANG_ADAPTERS_SNAPSHOT_KERNEL: the pack reads it when the fence first needs its copy.
+# SGLANG_ADAPTERS_SNAPSHOT_KERNEL: the pack reads it when the fence first needs its copy;
+# SGLANG_ADAPTERS_PROOF_CACHE, whenever it looks up or keeps a proof.
 # SGLANG_PLUGINS and SGLANG_SPEC_TP_SYNC: the engine reads them with envs.X.get() when it loads
 # its plugins (sglang.srt.plugins.load_plugins) and builds a SpecTpSync (its __init__), on every
 # release that has them; the preload never does either (it would import the pack, refused there).
 LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "PYTEST_CURRENT_TEST",
         "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
         "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "COLUMNS", "LINES",
-        "SGLANG_ADAPTERS_SNAPSHOT_KERNEL", "SGLANG_PLUGINS", "SGLANG_SPEC_TP_SYNC")
+        "SGLANG_ADAPTERS_SNAPSHOT_KERNEL", "SGLANG_ADAPTERS_PROOF_CACHE", "SGLANG_PLUGINS", "SGLANG_SPEC_TP_SYNC")
 # The pack's flags, and the near-misses of them it reports (DSV4_..., dsv41_...): read by the pack only.
 LATE_PREFIXES = ("DSV4", "dsv4")
 # Warm parents per test process (about 0.9 GB each); the least recently used one goes first.

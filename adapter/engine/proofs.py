@@ -60,10 +60,10 @@ def folders(environ=os.environ) -> list[pathlib.Path]:
     return [pathlib.Path(IMAGE_FOLDER), pathlib.Path(home) / "sglang-dsv41-adapters" / "proofs"]
 
 
-def _say(note: str) -> None:
-    """A problem of the cache, said once per process (runtime prints it with the decision)."""
-    if note not in _said:
-        _said.add(note)
+def _say(about, note: str) -> None:
+    """A problem of the cache, said once per process for `about` (runtime prints it)."""
+    if about not in _said:
+        _said.add(about)
         _notes.append(note)
 
 
@@ -72,6 +72,14 @@ def notes() -> list[str]:
     taken = list(_notes)
     _notes.clear()
     return taken
+
+
+def forget() -> None:
+    """Forget what this process read, wrote and hashed (tests: the next look-up reads the folders)."""
+    _memory.clear()
+    _digests.clear()
+    _said.clear()
+    _notes.clear()
 
 
 def digest(data) -> str:
@@ -121,7 +129,8 @@ def get(kind: str, key: tuple):
             continue
         found = _decode(data, material)
         if found is MISSING:
-            _say(f"proof cache: ignored {folder / name}, which is corrupt or not its key's; proving again")
+            _say(("ignored", folder), f"proof cache: ignored {folder / name}, corrupt or not its key's (and any other "
+                                      f"such entry of {folder}): what it held is proven again")
             continue
         _memory[name] = found
         return found
@@ -150,7 +159,8 @@ def put(kind: str, key: tuple, value) -> None:
         if _write(folder, name, data):
             return
     if where:
-        _say(f"proof cache: {', '.join(map(str, where))} cannot be written; proofs are not kept for the next process")
+        _say("unwritten", f"proof cache: {' nor '.join(map(str, where))} can be written: the proofs of this process "
+                          f"are not kept for the next ({ENV} names another folder)")
 
 
 def _write(folder: pathlib.Path, name: str, data: bytes) -> bool:
