@@ -10,12 +10,19 @@ alternating, and the medians are compared within this one run:
 With --before REV the per-rank apply and doctor with every flag on are also timed on the
 pack as it was at git revision REV (its adapter/ and entrypoint.py, exported to a temporary
 folder and run against the same engine), alternating with the current tree in the same run.
-A rank of the current tree judges its deployment (a TP4 ServerArgs' topology); REV's as REV did.
+Each rank judges a TP4 deployment where its runtime takes one (REV's apply_once read from its
+source), else every layout.
+
+The current tree keeps its proofs (adapter.engine.proofs) in a temporary folder that
+`doctor --strict` with every flag unset fills first, as the image build does; "no proof
+cache" is the same tree with SGLANG_ADAPTERS_PROOF_CACHE=off (what a rank pays where nothing
+was kept). The load average is printed with the figures: the machine may be shared.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import json
 import os
@@ -42,26 +49,43 @@ def timed(argv: list[str], env: dict) -> float:
     return time.perf_counter() - start
 
 
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def proofs_kept(folder: str, env: dict) -> dict:
+    """`env` with the proof cache in `folder`, filled by doctor --strict (flags unset) as the image build does."""
+    env = dict(env, SGLANG_ADAPTERS_PROOF_CACHE=folder)
+    subprocess.run([sys.executable, "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--before", metavar="REV", help="also time the pack at this git revision, alternating")
     opts = parser.parse_args()
+    print(f"load average at the start: {load_average()}")
     if opts.before:
         return before_and_after(opts)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
+    with tempfile.TemporaryDirectory() as folder:
+        return variants(opts, proofs_kept(folder, {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}))
+
+
+def variants(opts, env: dict) -> None:
     importer = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in engine_modules())
-    variants = {
+    commands = {
         "import engine modules": [sys.executable, "-c", importer],
         "doctor (all flags off)": [sys.executable, "entrypoint.py", "doctor"],
         "doctor --strict, every flag on": [sys.executable, "entrypoint.py", "doctor", "--strict"],
     }
     flags_on = dict(env, **{load(a).flag: load(a).check_value for a in ADAPTERS})
-    times = {name: [] for name in variants}
+    times = {name: [] for name in commands}
     apply_ms = []
     for _ in range(opts.repeat):
-        for name, argv in variants.items():
+        for name, argv in commands.items():
             times[name].append(timed(argv, flags_on if "every flag on" in name else env))
         apply_ms.append(per_rank_apply_ms(importer, flags_on))
     base = statistics.median(times["import engine modules"])
@@ -73,6 +97,7 @@ def main() -> None:
         print(f"{name:34} {median:9.2f} {median - base:8.2f}   {' '.join(f'{v:.2f}' for v in values)}")
     print(f"{'per-rank apply, every flag on (ms)':34} {statistics.median(apply_ms):9.0f}"
           f"            {' '.join(f'{v:.0f}' for v in apply_ms)}")
+    print(f"load average at the end: {load_average()}")
     if opts.json:
         with open(opts.json, "w") as out:
             json.dump({"modules": engine_modules(), "repeat": opts.repeat, "rows": rows,
@@ -93,27 +118,43 @@ def per_rank_apply_ms(importer: str, env: dict, tree: str = ROOT, topology: bool
     return float(next(line.split()[1] for line in out.splitlines() if line.startswith("APPLY_MS")))
 
 
+def takes_topology(tree: str) -> bool:
+    """Whether the runtime in `tree` judges a deployment given to apply_once (read, not imported)."""
+    path = os.path.join(tree, "adapter", "framework", "runtime.py")
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as handle:
+        found = [n for n in ast.parse(handle.read()).body if isinstance(n, ast.FunctionDef) and n.name == "apply_once"]
+    return bool(found) and "topology" in [a.arg for a in found[0].args.args]
+
+
 def before_and_after(opts) -> None:
-    """The per-rank apply and doctor (every flag on) of REV's pack and of this tree, alternating."""
+    """The per-rank apply and doctor (every flag on) of REV's pack and of this tree (with its
+    proofs kept as the image keeps them, and with none), alternating."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
     flags_on = dict(env, **{load(a).flag: load(a).check_value for a in ADAPTERS})
     importer = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in engine_modules())
-    with tempfile.TemporaryDirectory() as before:
+    with tempfile.TemporaryDirectory() as before, tempfile.TemporaryDirectory() as folder:
         archive = subprocess.run(["git", "archive", opts.before, "adapter", "sglang_dsv41_adapters", "entrypoint.py"], cwd=ROOT, check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", before], input=archive, check=True)
-        trees = {f"before ({opts.before})": (before, False), "after (this tree)": (ROOT, True)}
+        kept = proofs_kept(folder, env)["SGLANG_ADAPTERS_PROOF_CACHE"]
+        trees = {f"before ({opts.before})": (before, takes_topology(before), {}),
+                 "after (this tree)": (ROOT, True, {"SGLANG_ADAPTERS_PROOF_CACHE": kept}),
+                 "after, no proof cache": (ROOT, True, {"SGLANG_ADAPTERS_PROOF_CACHE": "off"})}
         apply_ms = {name: [] for name in trees}
         doctor_s = {name: [] for name in trees}
         for _ in range(opts.repeat):
-            for name, (tree, topology) in trees.items():
-                apply_ms[name].append(per_rank_apply_ms(importer, flags_on, tree, topology))
+            for name, (tree, topology, extra) in trees.items():
+                apply_ms[name].append(per_rank_apply_ms(importer, dict(flags_on, **extra), tree, topology))
                 doctor_s[name].append(timed([sys.executable, os.path.join(tree, "entrypoint.py"), "doctor"],
-                                            dict(flags_on, PYTHONPATH=tree)))
+                                            dict(flags_on, PYTHONPATH=tree, **extra)))
     print(f"{'every flag on':34} {'per-rank apply ms':>18} {'doctor s':>9}")
     for name in trees:
         print(f"{name:34} {statistics.median(apply_ms[name]):18.0f} {statistics.median(doctor_s[name]):9.2f}"
               f"   runs: {' '.join(f'{v:.0f}' for v in apply_ms[name])} / {' '.join(f'{v:.1f}' for v in doctor_s[name])}")
+    print(f"deployment judged: {', '.join(f'{n}: ' + ('TP 4' if t[1] else 'every layout') for n, t in trees.items())}")
+    print(f"load average at the end: {load_average()}")
     if opts.json:
         with open(opts.json, "w") as out:
             json.dump({"before": opts.before, "repeat": opts.repeat, "per_rank_apply_ms": apply_ms, "doctor_s": doctor_s},
