@@ -162,13 +162,13 @@ class Contract:
 def source_proof(kind: str):
     """A check of one module's source alone, kept in the proof cache (engine.proofs):
     `check(contract, *plain)` runs on the contract detached from the live module, and what it
-    returns (plain data) is kept under the source's sha256, the contract's adapter, module
-    name and release, and the plain arguments. A refusal is not kept: it is raised again."""
+    returns (plain data) is kept under the source's sha256, the contract's adapter and module
+    name, and the plain arguments. A refusal is not kept: it is raised again (with the release
+    it names)."""
     def decorate(check):
         @functools.wraps(check)
         def kept(contract: Contract, *args):
-            version = contract.version or version_of(contract.module)
-            key = (contract.adapter, contract.name, version, ("sha256", proofs.digest(contract.source())), *args)
+            key = (contract.adapter, contract.name, ("sha256", proofs.digest(contract.source())), *args)
             return proofs.cached(kind, key, lambda: check(contract.detached(), *args))
         return kept
     return decorate

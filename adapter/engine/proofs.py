@@ -42,6 +42,7 @@ IMAGE_FOLDER = "/opt/sglang-dsv41/proofs"  # made by the image build, never by t
 FORMAT = 1  # the entries' layout: a change makes every stored entry another key
 RACY_NS = 2_000_000_000  # a file changed this close to its hashing may change again unseen
 MISSING = object()
+KEEP_IN_MEMORY = 4096  # entries this process keeps once read or written (the oldest go first)
 
 _PACK = pathlib.Path(__file__).resolve().parent.parent
 _said: set = set()
@@ -132,9 +133,15 @@ def get(kind: str, key: tuple):
             _say(("ignored", folder), f"proof cache: ignored {folder / name}, corrupt or not its key's (and any other "
                                       f"such entry of {folder}): what it held is proven again")
             continue
-        _memory[name] = found
+        _remember(name, found)
         return found
     return MISSING
+
+
+def _remember(name: str, value) -> None:
+    _memory[name] = value
+    while len(_memory) > KEEP_IN_MEMORY:
+        _memory.pop(next(iter(_memory)))
 
 
 def _decode(data: bytes, material: str):
@@ -151,7 +158,7 @@ def _decode(data: bytes, material: str):
 def put(kind: str, key: tuple, value) -> None:
     """Store `value` for `key` in the first folder that takes it (none: said once)."""
     name, material = _name(kind, key)
-    _memory[name] = value
+    _remember(name, value)
     payload = marshal.dumps((material, value))
     data = hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
     where = folders()
@@ -224,20 +231,28 @@ def _signature(path: str) -> Optional[tuple]:
     return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
 
 
+def _hash(path: str, signature: Optional[tuple]) -> tuple[Optional[str], bool]:
+    """(the file's sha256, None where it cannot be read; whether that may be trusted while the
+    file's stat stays `signature`: not where it changed within RACY_NS of being read)."""
+    started = time.time_ns()
+    try:
+        with open(path, "rb") as handle:
+            value = digest(handle.read())
+    except OSError:
+        return None, False
+    return value, signature is not None and max(signature[3], signature[4]) < started - RACY_NS
+
+
 def content_digest(path: str) -> Optional[str]:
     """One file's sha256, hashed again only where its stat changed (None: not a readable file)."""
     signature = _signature(path)
     known = _digests.get(path)
-    if signature is None or known is None or known[0] != signature:
-        try:
-            with open(path, "rb") as handle:
-                known = (signature, digest(handle.read()))
-        except OSError:
-            return None
-        if signature is None or max(signature[3], signature[4]) >= time.time_ns() - RACY_NS:
-            return known[1]
-        _digests[path] = known
-    return known[1]
+    if signature is not None and known is not None and known[0] == signature:
+        return known[1]
+    value, trusted = _hash(path, signature)
+    if trusted:
+        _digests[path] = (signature, value)
+    return value
 
 
 def _place(path: str) -> tuple[str, str]:
@@ -265,15 +280,9 @@ def file_digests(paths: Iterable[str]) -> tuple[str, ...]:
             _digests[path] = known
             found.append(known[1])
             continue
-        started = time.time_ns()
-        try:
-            with open(path, "rb") as handle:
-                value = digest(handle.read())
-        except OSError:
-            found.append("unreadable")
-            continue
-        found.append(value)
-        if signature is not None and max(signature[3], signature[4]) < started - RACY_NS:
+        value, trusted = _hash(path, signature)
+        found.append(value or "unreadable")
+        if trusted:
             _digests[path] = (signature, value)
             root, name = _place(path)
             records[root][name] = (signature, value)
