@@ -239,6 +239,13 @@ def test_the_schema_is_a_schema_and_its_check_can_fail():
     assert "$.verdict: 'maybe' is not one of ['ok', 'flag-error', 'refused']" in errors
     assert "$.value: True is not of type 'string', 'null'" in schema_errors(
         {"value": True}, SCHEMA["properties"]["adapters"]["items"])
+    # the one-line reasons added after 0.1.0: described, typed, and (additive) not required
+    adapter = SCHEMA["properties"]["adapters"]["items"]
+    for where in (adapter, adapter["properties"]["engine_check"]):
+        assert "short_reason" in where["properties"] and "short_reason" not in where["required"]
+    assert "$.short_reason: 3 is not of type 'string'" in schema_errors({"short_reason": 3}, adapter)
+    assert "$.short_reason: 3 is not of type 'string'" in schema_errors(
+        {"outcome": "applied", "reason": "", "short_reason": 3}, adapter["properties"]["engine_check"])
 
 
 def test_fields_added_within_schema_version_1_validate():
@@ -452,6 +459,8 @@ def test_doctor_without_a_command_says_the_outcomes_hold_for_every_layout():
     assert "deployment: none given (doctor -- COMMAND judges one); the outcomes above hold for every layout" in done.stdout
     report = json.loads(run_cli("doctor", "--json").stdout)
     assert report["deployment"] is None and schema_errors(report, SCHEMA) == []
+    for adapter in report["adapters"]:
+        assert adapter["short_reason"] and adapter["engine_check"]["short_reason"]
 
 
 @pytest.mark.parametrize("command,why", [

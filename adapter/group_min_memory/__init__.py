@@ -42,7 +42,7 @@ from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Patch, Plan, combine
 from ..framework.surface import HANDOVER, Surface
 from ..spectpsync import upstream_sync
-from ..spectpsync.sites import MEMORY, labels
+from ..spectpsync.sites import MEMORY, labels, spans
 
 NAME = "group_min_memory"
 FLAG = "DSV41_GROUP_MIN_MEM"
@@ -140,7 +140,8 @@ def check_upstream(engine, module, context) -> Plan:
     if why_not is None:
         return Plan("superseded", f"the engine reduces the probes to the group minimum itself {where}, shown from its "
                                   f"source and by running it: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}; {what} keeps "
-                                  f"{labels(MEMORY)} on")
+                                  f"{labels(MEMORY)} on",
+                    short_reason=f"the engine's SpecTpSync reduces sites {spans(MEMORY)} to the group minimum itself")
     return _pack_probe(contract, engine, context, why_not, f"{what} keeps {labels(MEMORY)} on")
 
 
@@ -152,7 +153,8 @@ def _pack_probe(contract: Contract, engine, context, why_not: str, sites: str) -
                            f"has more than one rank (upstream's unreleased fix, sgl-project/sglang#39954) "
                            f"{upstream_sync.judged_for(context.topology)}: the engine's own reduction is not shown to "
                            f"reach the capture group ({why_not}); {helper}; {sites}",
-                [Patch(owner, "available_memory_gb", _upstream_group_minimum)])
+                [Patch(owner, "available_memory_gb", _upstream_group_minimum)],
+                short_reason=f"the pack makes {UPSTREAM_PROBE} the group minimum: {why_not}")
 
 
 def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
@@ -198,6 +200,10 @@ def check(engine, enabled: bool, context) -> Plan:
         raise Refused(NAME, upstream_sync.MODULE, "is missing, yet a consumer probes through it", engine.version)
     plan = combine(NAME, engine.version, plans + list(consumers.values()))
     applied = [name for name, p in consumers.items() if p.state == "applied"]
+    # the consumers only show where the probes go; the engine's class (0.5.19+) decides
+    plan.short_reason = plans[0].short_reason if plans else (
+        f"the pack makes the {', '.join(PROBES[name].label for name in applied)} probes the group minimum "
+        "(the engine has no SpecTpSync)")
     if applied:  # the helper's bindings wrapped (0.5.16-0.5.18); from 0.5.19 the class method, every caller's
         before_0_5_19.census_check(engine, applied)
     return plan

@@ -29,7 +29,7 @@ from ..framework.plan import Plan
 from ..framework.surface import SETTING, Surface
 from ..spectpsync import handover, upstream_sync
 from ..framework.plan import combine
-from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector, slug_of
+from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector, slug_of, spans
 
 NAME = "rank0_broadcast"
 FLAG = "DSV41_SPEC_TP_SYNC"
@@ -58,6 +58,11 @@ def _memory_off(context) -> str:
     """What to add where DSV41_GROUP_MIN_MEM serves the memory sites and is off."""
     return "" if context.settings["group_min_memory"] else \
         ", which is off: switch it on (DSV41_GROUP_MIN_MEM=1) to cover them"
+
+
+def memory_left(memory, context) -> str:
+    """The short reason's words for the memory sites left to DSV41_GROUP_MIN_MEM."""
+    return f"; {spans(memory)} left to DSV41_GROUP_MIN_MEM" + ("" if context.settings["group_min_memory"] else " (off)")
 
 
 def _memory_unreached(contract, engine, run_with, topology, groups):
@@ -104,10 +109,16 @@ def _handover(engine, module, sites: frozenset, context) -> Plan:
               + (f"; sites the pack does not know, kept on: {', '.join(unknown)}" if unknown else "")
               + (f"; sites {labels(memory)} are not shown to be reduced there ({unreached}): DSV41_GROUP_MIN_MEM "
                  f"serves them{_memory_off(context)}" if unreached else ""))
+    short = (("one rank runs each batch: nothing to broadcast" if alone
+              else f"the engine's SpecTpSync broadcasts sites {spans(mapped)}")
+             + (f"; {len(unknown)} sites the pack does not know kept on" if unknown else "")
+             + (memory_left(memory, context) if unreached else ""))
     handed = f"{FLAG} handed to {upstream_sync.ENGINE_FLAG}"
     if theirs is None:
-        return Plan("superseded", f"{detail}; {handed}={value!r}", env={upstream_sync.ENGINE_FLAG: value})
-    return Plan("superseded", f"{detail}; {handed} (already set to the same sites)")
+        return Plan("superseded", f"{detail}; {handed}={value!r}", env={upstream_sync.ENGINE_FLAG: value},
+                    short_reason=f"{short}; handed to {upstream_sync.ENGINE_FLAG}={value!r}")
+    return Plan("superseded", f"{detail}; {handed} (already set to the same sites)",
+                short_reason=f"{short}; {upstream_sync.ENGINE_FLAG} already selects the same sites")
 
 
 def _engine_sites_on(module, handed: Plan, context) -> dict:
@@ -136,12 +147,17 @@ def check(engine, setting: frozenset, context) -> Plan:
     if upstream_sync.MODULE in modules:  # the engine's sites handed over, "none" where only the pack's own are selected
         plans.append(_handover(engine, modules[upstream_sync.MODULE], upstream, context))
     elif upstream:
-        plans.append(before_0_5_19.plan(engine, modules, upstream, _memory_off(context)))
+        plans.append(before_0_5_19.plan(engine, modules, upstream, _memory_off(context), memory_left(upstream & MEMORY, context)))
     if own:
         recorded = any(p.where == "DFlashWorkerV2.__init__" for plan in plans for p in plan.patches)
         on = _engine_sites_on(modules[upstream_sync.MODULE], plans[0], context) if upstream_sync.MODULE in modules else {}
         plans.append(dflash_draft.plan(engine, modules, recorded, upstream_sync.MODULE in modules, on))
-    return plans[0] if len(plans) == 1 else combine(NAME, engine.version, plans)
+    if len(plans) == 1:
+        return plans[0]
+    plan = combine(NAME, engine.version, plans)
+    # what the pack patches first, then what it leaves to the engine
+    plan.short_reason = "; ".join(p.short_reason for p in sorted(plans, key=lambda p: p.state != "applied"))
+    return plan
 
 
 LEDGER = Ledger(

@@ -306,7 +306,8 @@ def plan(engine, modules: dict, recorded: bool, engine_sync: bool, on: Optional[
     engine_part = f"; the engine broadcasts these paths itself: {', '.join(engines)}" if engines else ""
     if not ours:
         return Plan("superseded", f"{SITE.label} (the pack's own site): every DFlash greedy draft path of this release "
-                                  f"is broadcast by the engine itself, shown from its source{engine_part}")
+                                  f"is broadcast by the engine itself, shown from its source{engine_part}",
+                    short_reason=f"{SITE.label}: the engine is shown to broadcast every DFlash greedy draft path itself")
     if not recorded:
         patches.insert(0, check_hook(worker, ENGINE_GROUP if engine_sync else RECORDER))
     judged = ", ".join(p.name for p in ours)
@@ -314,4 +315,5 @@ def plan(engine, modules: dict, recorded: bool, engine_sync: bool, on: Optional[
     groups = "" if recorded or engine_sync else f"; the groups: {parallel_groups.check(NAME, engine)}"
     return Plan("applied", f"{SITE.label} (the pack's own site) at {', '.join(p.where for p in patches)}: "
                            f"DFlash greedy draft paths {judged} (the captured plain head all-gathers: TP-safe)"
-                           f"{engine_part}{groups}", patches)
+                           f"{engine_part}{groups}", patches,
+                short_reason=f"the pack broadcasts {SITE.label} ({judged})")

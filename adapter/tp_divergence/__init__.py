@@ -38,7 +38,7 @@ from ..framework.flags import FlagError, parse_switch
 from ..framework.ledger import Ledger
 from ..framework.surface import HANDOVER, SETTING, Surface
 from ..spectpsync import broadcast as pack
-from ..spectpsync.sites import PACK, Site, labels, slug_of
+from ..spectpsync.sites import PACK, Site, labels, slug_of, spans
 
 NAME = "tp_divergence"
 FLAG = "DSV41_TP_DIVERGENCE"
@@ -188,12 +188,19 @@ def _engine_plan(engine, module, setting: Setting, context) -> Plan:
               + "; ".join(shown) + f"; {upstream_sync.describe_groups(groups)}")
     owner = contract.attr("SpecTpSync")
     patches = [Patch(owner, "sync", compare_sync(setting.every, setting.abort))]
+    short = f"compares sites {spans(compared)} (SpecTpSync.sync)"
     if own:  # beside the engine's sites: the pack's broadcast, which serves only its own sites here
         patches.append(Patch(pack, "broadcast", before_0_5_19.compare_broadcast(setting.every, setting.abort)))
         detail += f"; the pack's own {labels(own)} compared at {pack.__name__}.broadcast"
+        short += f", {spans(own)} (the pack's broadcast)"
     dump, dump_detail = watchdog_dump.patch(engine)
     detail += abort_detail(setting, CONSENSUS_WHY) + f"; {dump_detail}"
-    return Plan("applied", detail, patches + [dump])
+    return Plan("applied", detail, patches + [dump], short_reason=short)
+
+
+def short_tail(setting: Setting) -> str:
+    """How often the report is read, and the abort, in the short reason's words."""
+    return f"; reports every {setting.every} calls" + ("; abort: stops at the first divergence" if setting.abort else "")
 
 
 def check(engine, setting: Setting, context) -> Plan:
@@ -204,7 +211,10 @@ def check(engine, setting: Setting, context) -> Plan:
     else:
         sites = before_0_5_19.plan(engine, setting, context)
     # the pack's report site 30, beside the broadcast sites on every release
-    return combine(NAME, engine.version, [sites, graph_key.plan(engine, setting.every, setting.abort)])
+    graph = graph_key.plan(engine, setting.every, setting.abort)
+    plan = combine(NAME, engine.version, [sites, graph])
+    plan.short_reason = f"{sites.short_reason}, {graph.short_reason}{short_tail(setting)}"
+    return plan
 
 
 

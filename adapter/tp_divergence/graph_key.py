@@ -145,4 +145,5 @@ def plan(engine, every: int, abort: bool = False) -> Plan:
               f"the groups: {parallel_groups.check(NAME, engine)}")
     compare = functools.partial(compare_forward, every, batch_group, abort=abort)
     return Plan("applied", detail, [Patch(runner.attr("ModelRunner"), "_forward_raw", compare),
-                                    Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)])
+                                    Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)],
+                short_reason=f"{int(SITE)} (decode graph key)")
