@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +16,9 @@ from sglang_dsv41_adapters.spectpsync.sites import spans
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from harness.engines import ENGINE_PATHS, ROOT, engine_env, python
 from tests.test_cli import schema_errors
+
+sys.path.insert(0, str(ROOT / "tools"))
+import doctor_sample  # noqa: E402
 from harness import zygote
 
 
@@ -72,16 +76,9 @@ def test_doctor_strict_fails_when_ranks_would_skip_the_plugin():
 
 # --- the report a person reads: one line per adapter, the proofs on request ----------------------
 
-RECIPE = ROOT / "recipes" / "dsv41-flash-tp4-dspark"
-
-
-def recipe_lines(name: str) -> list[str]:
-    return [line for line in (RECIPE / name).read_text().splitlines() if line and not line.startswith("#")]
-
-
-# The recipe's deployment with every flag on: its adapters.env, and the divergence report it leaves commented out.
-EVERY_FLAG = dict(line.split("=", 1) for line in recipe_lines("adapters.env")) | {"DSV41_TP_DIVERGENCE": "1"}
-SERVER = ["--", "python3", "-m", "sglang.launch_server", *recipe_lines("server.args")]
+# The recipe's deployment with every flag on, as the README's samples show it (tools/doctor_sample.py).
+EVERY_FLAG = doctor_sample.flags()
+SERVER = ["--", "python3", "-m", "sglang.launch_server", *doctor_sample.recipe_lines("server.args")]
 TP1_BATCHES = ["--", "python3", "-m", "sglang.launch_server", "--model-path", "/models/m", "--tp-size", "4",
                "--enable-dp-attention", "--dp-size", "4", "--speculative-algorithm", "DSPARK"]
 SOURCES_0_5_16 = str(ROOT / ".engines" / "src" / "0.5.16")
