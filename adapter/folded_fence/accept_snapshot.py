@@ -79,6 +79,11 @@ namespace {
 struct Node {
   PyObject* holder;              // nullptr: the epilogue itself
   std::vector<PyObject*> slots;  // the values it held, or the free / beyond markers (owned references)
+  // A holder read from its instance slots alone (a msgspec struct, a slotted class): the type and
+  // version tag it had when found so, and the slots' offsets; compared in place while both hold.
+  mutable PyTypeObject* slots_type = nullptr;
+  mutable unsigned int slots_tag = 0;
+  mutable const std::vector<Py_ssize_t>* offsets = nullptr;
 };
 
 // How a holder type's layout names read: the instance slots a getattr of each would return,
@@ -227,6 +232,21 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   return done;
 }
 
+// The slot offsets each_value reads `h` by where that is all it reads (a holder whose layout has
+// no __dict__, read from its slots: not a list, tuple or dict), else nullptr.
+const std::vector<Py_ssize_t>* slots_only(const BoundaryScan& s, PyObject* h) {
+  PyTypeObject* tp = Py_TYPE(h);
+  if (PyList_Check(h) || PyTuple_Check(h) || PyDict_Check(h)) return nullptr;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
+  PyObject* layout = kind == s.holder ? PyDict_GetItemWithError(s.layouts, (PyObject*)tp) : nullptr;
+  if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2 ||
+      PyTuple_GET_ITEM(layout, 1) != Py_False || !PyTuple_CheckExact(PyTuple_GET_ITEM(layout, 0))) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    return nullptr;
+  }
+  return slot_offsets(s, tp, PyTuple_GET_ITEM(layout, 0));
+}
+
 // fence_boundary._held: what a holder of the epilogue's memory holds, a list's, tuple's or
 // dict's own storage whatever its type (an OrderedDict of nn.Module's hooks too), else
 // holders.items(h).
@@ -293,11 +313,23 @@ bool same_slot(const BoundaryScan& s, PyObject* v, PyObject* slot) {
 bool same_state(const BoundaryScan& s, PyObject* epilogue) {
   if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
   for (const Node& n : s.nodes) {
+    PyObject* h = n.holder ? n.holder : epilogue;
     size_t at = 0;
-    const bool read = each_held(s, n.holder ? n.holder : epilogue, [&](PyObject* v) {
+    if (n.offsets != nullptr && Py_TYPE(h) == n.slots_type && n.slots_tag == n.slots_type->tp_version_tag) {
+      for (Py_ssize_t offset : *n.offsets) {  // each_value's reading, without its lookups
+        PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
+        if (v != nullptr && (at >= n.slots.size() || !same_slot(s, v, n.slots[at++]))) return false;
+      }
+      if (at != n.slots.size()) return false;
+      continue;
+    }
+    const bool read = each_held(s, h, [&](PyObject* v) {
       return at < n.slots.size() && same_slot(s, v, n.slots[at++]);
     });
     if (!read || at != n.slots.size()) return false;
+    n.offsets = slots_only(s, h);
+    n.slots_type = Py_TYPE(h);
+    n.slots_tag = n.offsets != nullptr ? Py_TYPE(h)->tp_version_tag : 0;
   }
   for (size_t i = 0; i < s.tensors.size(); ++i) {  // the storage itself, whatever a subclass would say
     uintptr_t address;
