@@ -454,7 +454,50 @@ def test_the_console_script_and_the_recipes_caller_exit_with_the_verdict(servers
     assert "accept length 3.400 (server-wide: " in fails(verdict, "accept")[0][2]
 
 
-# --- the engine's own metrics, and a real engine --------------------------------------------------------
+# --- the engine's own metrics (its collectors and route), and a real engine --------------------------------------------------------
+
+@pytest.fixture
+def engine_metrics(tmp_path):
+    """start(*args) runs tests/engine_metrics_server.py (the engine's own collectors and /metrics route, four
+    TP ranks) and gives its URL; stopped after the test."""
+    started = []
+
+    def start(*args):
+        n = len(started)
+        folder, model, log = tmp_path / f"prometheus-{n}", tmp_path / f"model-{n}", tmp_path / f"server-{n}.log"
+        folder.mkdir(), model.mkdir()
+        with open(log, "w") as err:
+            child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "engine_metrics_server.py"), str(model), *args],
+                                     stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+                                     env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)})
+        started.append(child)
+        line = child.stdout.readline()  # "port N" once it listens; nothing if it died
+        assert line.startswith("port "), log.read_text()[-3000:]
+        return f"http://127.0.0.1:{int(line.split()[1])}"
+
+    yield start
+    for child in started:
+        child.terminate()
+        child.wait(timeout=30)
+
+
+def test_the_engines_own_metrics_pass(engine_metrics, capsys):
+    code, out, err = canary(capsys, "--canary", engine_metrics(), *FAST)
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0] == "canary: ok 4 of 4 ranks export every series in every read (0, 1, 2, 3)"
+    assert re.fullmatch(r"canary: ok accept length 3\.600 \(server-wide: \d+ tokens / \d+ verify steps\), floor 3\.00 "
+                        r"\(reference 3\.51\)", lines[1]), lines[1]
+    assert sum(line.startswith("canary: ok rank ") for line in out.splitlines()) == 4
+
+
+def test_a_nan_in_the_engines_own_metrics_fails_naming_the_rank(engine_metrics, capsys):
+    code, verdict, err = verdict_json(capsys, "--canary", engine_metrics("--nan-rank", "2", "--nan-from", "3"), *FAST)
+    assert code == 1
+    ((server, rank, message),) = fails(verdict, "number")
+    assert (server, rank) == ("canary", "2") and message.startswith("rank 2: sglang:spec_accept_length is NaN at ")
+    assert [f["check"] for f in verdict["findings"] if f["status"] == "fail"] == ["number"]
+
 
 @pytest.mark.skipif(not (os.environ.get("CANARY_TEST_BASELINE") and os.environ.get("CANARY_TEST_CANARY")),
                     reason="no engine can serve a model on this machine (no GPU, no model weights): set "
