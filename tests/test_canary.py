@@ -76,7 +76,7 @@ def test_a_healthy_canary_passes_with_every_check_said(servers, capsys):
     assert code == 0, out + err
     lines = out.splitlines()
     assert lines[-1] == "canary PASS"
-    assert lines[0] == "canary: ok 4 of 4 ranks export every series in every read (0, 1, 2, 3)"
+    assert lines[0] == "canary: ok 4 of 4 ranks export every series, none lost in the window (0, 1, 2, 3)"
     assert re.fullmatch(r"canary: ok accept length 3\.600 \(server-wide: \d+ tokens / \d+ verify steps\), floor 3\.00 "
                         r"\(reference 3\.51\)", lines[1])
     assert [line.split(":")[1] for line in lines[2:6]] == [" ok rank 0", " ok rank 1", " ok rank 2", " ok rank 3"]
@@ -485,7 +485,7 @@ def test_the_engines_own_metrics_pass(engine_metrics, capsys):
     code, out, err = canary(capsys, "--canary", engine_metrics(), *FAST)
     assert code == 0, out + err
     lines = out.splitlines()
-    assert lines[0] == "canary: ok 4 of 4 ranks export every series in every read (0, 1, 2, 3)"
+    assert lines[0] == "canary: ok 4 of 4 ranks export every series, none lost in the window (0, 1, 2, 3)"
     assert re.fullmatch(r"canary: ok accept length 3\.600 \(server-wide: \d+ tokens / \d+ verify steps\), floor 3\.00 "
                         r"\(reference 3\.51\)", lines[1]), lines[1]
     assert sum(line.startswith("canary: ok rank ") for line in out.splitlines()) == 4

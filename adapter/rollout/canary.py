@@ -21,6 +21,7 @@ from . import exposition, fetch, outputs, verdict, watch
 from .verdict import FAIL, NOTE, Finding
 
 DEFAULTS = watch.Settings()
+METRICS_TIMEOUT = 10.0  # seconds for one read of /metrics: a server that takes longer misses that read
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="the baseline's base URL: the same model and traffic, the pack off (DSV41_ADAPTERS=off). "
                               "Without it the canary is judged alone and its answers are not checked")
     servers.add_argument("--timeout", metavar="SECONDS", type=positive, default=300.0,
-                         help="for one HTTP request (default 300: a long generation)")
+                         help=f"for one request of the answers (default 300: a long generation); a read of /metrics gets "
+                              f"at most {METRICS_TIMEOUT:.0f}")
     metrics = parser.add_argument_group("metrics (the engine's /metrics: --enable-metrics "
                                         "--enable-metrics-for-all-schedulers)")
     metrics.add_argument("--window", metavar="SECONDS", type=positive, default=1800.0,
@@ -148,14 +150,17 @@ class Run:
     def first_reads(self) -> None:
         """The window's first read of each server: one that does not answer raises NoAnswer
         (exit 75); one that answers with no metrics is a finding."""
-        for name, url in self.servers.items():
+        for name in self.servers:
             try:
-                self.watched[name].reads.append(exposition.scrape(url, self.opts.timeout))
+                self.read(name)
             except fetch.Unreachable as exc:
                 raise NoAnswer(name, str(exc)) from None
             except (fetch.HTTPFailure, exposition.Unreadable) as exc:
                 self.findings.append(Finding(name, "answered", FAIL, f"/metrics unreadable at the start: {exc} "
                                                                      "(--enable-metrics)", time=time.time()))
+
+    def read(self, name: str) -> None:
+        self.watched[name].reads.append(exposition.scrape(self.servers[name], min(self.opts.timeout, METRICS_TIMEOUT)))
 
     def models(self) -> dict:
         """Each server's model: --model, or the first that its /v1/models lists."""
@@ -216,15 +221,15 @@ class Run:
 
     # -- the window --
 
-    def watch(self, answering) -> None:
+    def watch_window(self, answering) -> None:
         """Read every server each interval until the window is over and `answering` (a thread) is done."""
         begin = time.monotonic()
         reads = 1
         while True:
             time.sleep(max(0.0, begin + reads * self.opts.interval - time.monotonic()))
-            for name, url in self.servers.items():
+            for name in self.servers:
                 try:
-                    self.watched[name].reads.append(exposition.scrape(url, self.opts.timeout))
+                    self.read(name)
                 except (fetch.Unreachable, fetch.HTTPFailure, exposition.Unreadable) as exc:
                     self.watched[name].misses.append((time.time(), str(exc)))
             reads += 1
@@ -293,7 +298,7 @@ def run(opts) -> int:
     if clients:
         answering.start()
     if not opts.no_metrics:
-        canary.watch(answering)
+        canary.watch_window(answering)
         canary.judge_window()
     if clients:
         answering.join()

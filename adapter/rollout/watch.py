@@ -197,8 +197,8 @@ def ranks_present(watched: Watched, settings: Settings, start: float) -> list:
                                      f"rank {rank}: {series_name(what)} missing from the read {at(gone, start)} "
                                      f"(there since {stamp(since)[11:19]}Z)", rank=rank, time=gone))
     if not absent and not found:
-        found.append(Finding(watched.name, "ranks", OK, f"{len(seen)} of {len(expected)} ranks export every series "
-                                                        f"in every read ({', '.join(seen)})"))
+        found.append(Finding(watched.name, "ranks", OK, f"{len(seen)} of {len(expected)} ranks export every series, "
+                                                        f"none lost in the window ({', '.join(seen)})"))
     return found
 
 
