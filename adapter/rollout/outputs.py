@@ -173,8 +173,9 @@ def compare(prompts: list, baseline_runs: list, canary_runs: list) -> tuple:
                  for p in judged if p.key not in noise and not same(base_1[p.key], canary_1[p.key])]
     basis = "token ids" if by_tokens else "characters (a server returned no token ids)"
     found = _error_findings(errors, len(prompts))
-    found += _noise_findings(noise, canary_noise, len(judged), basis)
-    found += _differing_findings(differing, len(judged) - len(noise), basis)
+    if judged:  # with none, the errors said everything
+        found += _noise_findings(noise, canary_noise, len(judged), basis)
+        found += _differing_findings(differing, len(judged) - len(noise), basis)
     edits, edit_findings = identifier_edits([p for p in judged if p.kind == "identifiers"], baseline_runs, canary_runs,
                                             len(failed_keys & {p.key for p in prompts if p.kind == "identifiers"}))
     found += edit_findings
