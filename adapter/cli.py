@@ -5,6 +5,8 @@
     sglang-adapters [--] COMMAND ARGS...       wrapper: check flags and engine, apply here, exec COMMAND
     sglang-adapters launch SERVER-ARGS...      the engine's server in this process, after the same check;
     sglang-adapters --model-path ...           bare server arguments are a shorthand for it
+    sglang-adapters canary --canary URL [--baseline URL] [--json] [...]
+                                               a canary judged against a baseline (adapter/rollout)
     sglang-adapters version | --version | --help
 
 Exit statuses: EXIT_STATUSES below, one table for launch, the wrapper and doctor --strict.
@@ -124,7 +126,7 @@ def build_parser() -> Parser:
                "  The engine's own argument errors stay 2; a wrapped command's status is its own.",
     )
     parser.add_argument("--version", action="version", version=version_text())
-    commands = parser.add_subparsers(dest="command", metavar="{doctor,launch,version}")
+    commands = parser.add_subparsers(dest="command", metavar="{doctor,launch,canary,version}")
     doctor_parser = commands.add_parser("doctor", help="report every adapter against the engine (the default)",
                                         **DOCTOR_HELP)
     doctor_options(doctor_parser)
@@ -144,6 +146,20 @@ def build_parser() -> Parser:
                     f"{SERVER_MODULE} --help).",
         epilog=f"exit statuses:\n{statuses_help()}\n  The server's own statuses (2 for its argument errors) "
                "pass through.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .rollout import canary, verdict
+
+    canary_parser = commands.add_parser(
+        "canary", help="judge a canary against a baseline: their metrics over a window, their answers to a prompt set",
+        description=textwrap.fill(
+            "Judge a canary server (the pack on) against a baseline (the same model and traffic, the pack off) from "
+            "outside both: their Prometheus /metrics over a window (restarts, NaN, missing ranks, accept length, ranks "
+            "alike, progress, the canary against the baseline) and their answers at temperature 0 to a fixed prompt "
+            "set with opaque identifiers to repeat verbatim (the canary against the baseline's own run-to-run "
+            "difference). Progress on stderr; the verdict on stdout.", 100),
+        epilog="exit statuses:\n" + "\n".join(_item(str(code), meaning, 5) for code, meaning in verdict.EXIT_STATUSES),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    canary.add_arguments(canary_parser)
+    canary_parser.set_defaults(run=run_canary, usage_error=canary_parser.error)
     commands.add_parser("version", help="print the pack's and the engine's versions").set_defaults(
         run=lambda opts: print(version_text()) or EXIT_OK)
     return parser
@@ -156,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     first = argv[0]
     if first == "launch" and argv[1:2] not in (["-h"], ["--help"]):
         return launch(argv[1:])  # every argument after `launch` is the engine's, except a lone --help
-    if first in ("doctor", "launch", "version", "-h", "--help", "--version"):
+    if first in ("doctor", "launch", "canary", "version", "-h", "--help", "--version"):
         opts = parse(argv)
         return opts.run(opts)
     if first == "--":
@@ -476,6 +492,17 @@ def full_reasons(rows: list[dict]) -> list[str]:
         if r.get("machine"):
             lines.append(f"  this machine: {r['machine']}")
     return lines
+
+
+# --- canary ---------------------------------------------------------------------------------
+
+def run_canary(opts) -> int:
+    from .rollout import canary
+
+    problem = canary.nothing_to_judge(opts)
+    if problem:
+        opts.usage_error(problem)  # the canary's own usage, exit EXIT_USAGE
+    return canary.run(opts)
 
 
 # --- launch and the wrapper -------------------------------------------------------------------

@@ -149,3 +149,15 @@ def clean_env(monkeypatch):
     monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
     yield
     runtime.revert()
+
+
+@pytest.fixture
+def servers():
+    """servers(...) makes a stand-in sglang server on loopback (tests/standin_server.py: Server's arguments),
+    closed after the test."""
+    from tests.standin_server import Server
+
+    made = []
+    yield lambda *a, **k: made.append(Server(*a, **k)) or made[-1]
+    for server in made:
+        server.close()

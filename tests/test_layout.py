@@ -21,7 +21,8 @@ ALLOWED = {
     "framework": {"engine", "framework", "<root>"},
     "spectpsync": {"engine", "framework", "spectpsync"},
     "<adapter>": {"engine", "framework", "spectpsync", "<self>"},
-    "cli": {"engine", "framework", "<root>"},
+    "rollout": {"rollout"},  # judges running servers from outside: nothing of the engine or the adapters
+    "cli": {"engine", "framework", "rollout", "<root>"},
     "<root>": {"framework"},
 }
 
@@ -138,3 +139,12 @@ def test_a_wrong_declaration_is_refused_when_it_loads():
             surfaces.validate(surfaces.Surface(**{**good.__dict__, **change}), "folded_fence", ADAPTERS)
     with pytest.raises(surfaces.SurfaceError, match="named 'folded_fence', its folder 'other'"):
         surfaces.validate(good, "other", ADAPTERS)
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """pyproject.toml lists the packages one by one: a folder left out would be missing from the wheel and the image."""
+    import tomllib
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = {".".join([TOP, *path.parent.relative_to(PACKAGE).parts]) for path in PACKAGE.rglob("*.py")}
+    assert sorted(folders) == sorted(listed)

@@ -69,17 +69,33 @@ DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre
 _SCAN_SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/impl/COW.h>
+#include <structmember.h>
 #include <algorithm>
 #include <cstdint>
+#include <unordered_map>
 
 namespace {
 // One holder of the epilogue's memory as fence_boundary._map walked it.
 struct Node {
   PyObject* holder;              // nullptr: the epilogue itself
   std::vector<PyObject*> slots;  // the values it held, or the free / beyond markers (owned references)
+  // A holder read from its instance slots alone (a msgspec struct, a slotted class): the type and
+  // version tag it had when found so, and the slots' offsets; compared in place while both hold.
+  mutable PyTypeObject* slots_type = nullptr;
+  mutable unsigned int slots_tag = 0;
+  mutable const std::vector<Py_ssize_t>* offsets = nullptr;
+};
+
+// How a holder type's layout names read: the instance slots a getattr of each would return,
+// valid while the type's version tag is `tag` (any change to the type or a base gives it a new one).
+struct SlotReads {
+  unsigned int tag = 0;
+  bool direct = false;             // false: each name read by getattr
+  std::vector<Py_ssize_t> offsets;
 };
 
 struct BoundaryScan {
+  mutable std::unordered_map<PyTypeObject*, SlotReads> slot_reads;  // keyed by type, checked by tag
   PyObject* kinds;    // holders.KINDS: type -> kind (owned references, all of them)
   PyObject* layouts;  // holders._layouts: type -> (names outside __dict__, has __dict__)
   PyObject *leaf, *tensor, *sequence, *mapping, *holder;  // the kind strings, compared by identity
@@ -143,6 +159,30 @@ bool each_stored(PyObject* d, F&& f) {
   return true;
 }
 
+// The slot offsets of `names` where getattr(h, name) of an instance of `tp` is a plain read of
+// the instance's slot: the generic getattr, and each name a member descriptor of an object slot
+// (msgspec struct fields and __slots__ are); nullptr where any is not, and getattr serves. A
+// struct's fields read this way cost a load each instead of a lookup and a call, on every step.
+const std::vector<Py_ssize_t>* slot_offsets(const BoundaryScan& s, PyTypeObject* tp, PyObject* names) {
+  if (tp->tp_getattro != PyObject_GenericGetAttr || PyTuple_GET_SIZE(names) == 0) return nullptr;
+  SlotReads& reads = s.slot_reads[tp];
+  if (reads.tag == 0 || reads.tag != tp->tp_version_tag) {
+    reads = SlotReads{};
+    bool direct = true;
+    for (Py_ssize_t i = 0; direct && i < PyTuple_GET_SIZE(names); ++i) {
+      PyObject* found = _PyType_Lookup(tp, PyTuple_GET_ITEM(names, i));  // borrowed; sets the tag
+      const PyMemberDef* member = found != nullptr && Py_TYPE(found) == &PyMemberDescr_Type
+          ? reinterpret_cast<PyMemberDescrObject*>(found)->d_member : nullptr;
+      direct = member != nullptr && member->type == T_OBJECT_EX && !(member->flags & PY_AUDIT_READ);
+      if (direct) reads.offsets.push_back(member->offset);
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    reads.tag = tp->tp_version_tag;  // after the lookups, which give the type one where it had none
+    reads.direct = direct && reads.tag != 0;
+  }
+  return reads.direct ? &reads.offsets : nullptr;
+}
+
 // holders.items(h)'s values, in its order, each handed to `f` (its false stops the reading); false
 // also where h is not read here exactly as holders.items reads it.
 template <typename F>
@@ -162,16 +202,27 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2) return false;
   PyObject* names = PyTuple_GET_ITEM(layout, 0);
   if (!PyTuple_CheckExact(names)) return false;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); ++i) {  // getattr(h, name, _UNSET)
-    PyObject* v = PyObject_GetAttr(h, PyTuple_GET_ITEM(names, i));
-    if (v == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return false;
-      PyErr_Clear();
-      continue;
+  if (const std::vector<Py_ssize_t>* offsets = slot_offsets(s, tp, names)) {
+    for (Py_ssize_t offset : *offsets) {  // what getattr(h, name, _UNSET) returns, read from the slot
+      PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
+      if (v == nullptr) continue;  // unset: getattr raises AttributeError, the walk skips it
+      Py_INCREF(v);
+      const bool go_on = f(v);
+      Py_DECREF(v);
+      if (!go_on) return false;
     }
-    const bool go_on = f(v);
-    Py_DECREF(v);
-    if (!go_on) return false;
+  } else {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); ++i) {  // getattr(h, name, _UNSET)
+      PyObject* v = PyObject_GetAttr(h, PyTuple_GET_ITEM(names, i));
+      if (v == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return false;
+        PyErr_Clear();
+        continue;
+      }
+      const bool go_on = f(v);
+      Py_DECREF(v);
+      if (!go_on) return false;
+    }
   }
   if (PyTuple_GET_SIZE(names) != 0 && PyTuple_GET_ITEM(layout, 1) != Py_True) return true;
   PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
@@ -179,6 +230,21 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   const bool done = PyDict_CheckExact(d) && each_stored(d, f);
   Py_DECREF(d);
   return done;
+}
+
+// The slot offsets each_value reads `h` by where that is all it reads (a holder whose layout has
+// no __dict__, read from its slots: not a list, tuple or dict), else nullptr.
+const std::vector<Py_ssize_t>* slots_only(const BoundaryScan& s, PyObject* h) {
+  PyTypeObject* tp = Py_TYPE(h);
+  if (PyList_Check(h) || PyTuple_Check(h) || PyDict_Check(h)) return nullptr;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
+  PyObject* layout = kind == s.holder ? PyDict_GetItemWithError(s.layouts, (PyObject*)tp) : nullptr;
+  if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2 ||
+      PyTuple_GET_ITEM(layout, 1) != Py_False || !PyTuple_CheckExact(PyTuple_GET_ITEM(layout, 0))) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    return nullptr;
+  }
+  return slot_offsets(s, tp, PyTuple_GET_ITEM(layout, 0));
 }
 
 // fence_boundary._held: what a holder of the epilogue's memory holds, a list's, tuple's or
@@ -220,6 +286,10 @@ bool Walk::value(PyObject* v, int level) {
 }
 
 bool is_leaf(const BoundaryScan& s, PyObject* v) {
+  // None, int, bool, float, str: leaves by holders' own rule, whatever KINDS has met (no lookup)
+  if (v == Py_None || PyLong_CheckExact(v) || PyBool_Check(v) || PyFloat_CheckExact(v) || PyUnicode_CheckExact(v)) {
+    return true;
+  }
   return PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v)) == s.leaf;
 }
 
@@ -243,15 +313,29 @@ bool same_slot(const BoundaryScan& s, PyObject* v, PyObject* slot) {
 bool same_state(const BoundaryScan& s, PyObject* epilogue) {
   if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
   for (const Node& n : s.nodes) {
+    PyObject* h = n.holder ? n.holder : epilogue;
     size_t at = 0;
-    const bool read = each_held(s, n.holder ? n.holder : epilogue, [&](PyObject* v) {
+    if (n.offsets != nullptr && Py_TYPE(h) == n.slots_type && n.slots_tag == n.slots_type->tp_version_tag) {
+      for (Py_ssize_t offset : *n.offsets) {  // each_value's reading, without its lookups
+        PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
+        if (v != nullptr && (at >= n.slots.size() || !same_slot(s, v, n.slots[at++]))) return false;
+      }
+      if (at != n.slots.size()) return false;
+      continue;
+    }
+    const bool read = each_held(s, h, [&](PyObject* v) {
       return at < n.slots.size() && same_slot(s, v, n.slots[at++]);
     });
     if (!read || at != n.slots.size()) return false;
+    n.offsets = slots_only(s, h);
+    n.slots_type = Py_TYPE(h);
+    n.slots_tag = n.offsets != nullptr ? Py_TYPE(h)->tp_version_tag : 0;
   }
   for (size_t i = 0; i < s.tensors.size(); ++i) {  // the storage itself, whatever a subclass would say
     uintptr_t address;
-    if (!THPVariable_Check(s.tensors[i]) || !address_of(THPVariable_Unpack(s.tensors[i]), address) ||
+    PyObject* tensor = s.tensors[i];
+    const bool plain = Py_TYPE(tensor) == (PyTypeObject*)s.plain_tensor || Py_TYPE(tensor) == (PyTypeObject*)s.parameter;
+    if (!(plain || THPVariable_Check(tensor)) || !address_of(THPVariable_Unpack(tensor), address) ||
         address != s.addresses[i]) return false;
   }
   return true;
