@@ -8,6 +8,7 @@
     sglang-adapters canary --canary URL [--baseline URL] [--json] [...]
                                                a canary judged against a baseline (adapter/rollout)
     sglang-adapters version | --version | --help
+    sglang-adapters build-kernel [--archs ...]  an adapter's own command (folded_fence: its kernel file)
 
 Exit statuses: EXIT_STATUSES below, one table for launch, the wrapper and doctor --strict.
 """
@@ -126,7 +127,9 @@ def build_parser() -> Parser:
                "  The engine's own argument errors stay 2; a wrapped command's status is its own.",
     )
     parser.add_argument("--version", action="version", version=version_text())
-    commands = parser.add_subparsers(dest="command", metavar="{doctor,launch,canary,version}")
+    extra = adapter_commands()
+    commands = parser.add_subparsers(dest="command",
+                                     metavar="{" + ",".join(["doctor", "launch", "canary", "version", *extra]) + "}")
     doctor_parser = commands.add_parser("doctor", help="report every adapter against the engine (the default)",
                                         **DOCTOR_HELP)
     doctor_options(doctor_parser)
@@ -162,7 +165,14 @@ def build_parser() -> Parser:
     canary_parser.set_defaults(run=run_canary, usage_error=canary_parser.error)
     commands.add_parser("version", help="print the pack's and the engine's versions").set_defaults(
         run=lambda opts: print(version_text()) or EXIT_OK)
+    for name, run in extra.items():  # listed here; main() hands them their arguments unparsed
+        commands.add_parser(name, help=run.__doc__.strip().splitlines()[0], add_help=False)
     return parser
+
+
+def adapter_commands() -> dict:
+    """The subcommands the adapters bring (their surfaces' `commands`): name -> run(argv) -> status."""
+    return {name: run for adapter in ADAPTERS for name, run in load(adapter).commands.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return wrap(argv[1:])
     if first.startswith("-"):
         return launch(argv)  # bare server arguments: the engine's server
-    return wrap(argv)
+    command = adapter_commands().get(first)
+    return command(argv[1:]) if command else wrap(argv)
 
 
 def parse(argv: list[str]):

@@ -62,6 +62,21 @@ def test_subcommand_help_is_the_packs(capsys, argv):
     assert "--speculative-algorithm" not in text  # none of the engine's 2,793 lines
 
 
+def test_an_adapters_command_is_a_command_of_the_pack(capsys):
+    """`sglang-adapters build-kernel` (folded_fence's): listed in the help, handed its own
+    arguments, its statuses the pack's: 64 a usage error, 78 a value not understood."""
+    assert set(cli.adapter_commands()) == {"build-kernel"}
+    assert not {"doctor", "launch", "canary", "version"} & set(cli.adapter_commands())
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert re.search(r"^    build-kernel +compile the fence's kernel library", capsys.readouterr().out, re.M)
+    assert cli.main(["build-kernel", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: sglang-adapters build-kernel ")
+    assert cli.main(["build-kernel", "--no-such-option"]) == cli.EXIT_USAGE
+    assert cli.main(["build-kernel", "--allow-clones", "yes"]) == cli.EXIT_FLAGS
+    assert "--allow-clones (ALLOW_CLONE_FENCE) must be 0 or 1, not 'yes' (exit 78)" in capsys.readouterr().err
+
+
 def test_version_names_the_pack_and_the_engine(capsys):
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     with pytest.raises(SystemExit):

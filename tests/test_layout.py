@@ -133,6 +133,8 @@ def test_a_wrong_declaration_is_refused_when_it_loads():
         "check does not take (engine, setting, context)": dict(check=lambda engine: None),
         "check_value 'off' does not switch DSV41_FOLDED_FENCE on": dict(check_value="off"),
         "check_with names an adapter whose setting it does not declare it reads": dict(check_with={"rank0_broadcast": "all"}),
+        "command 'Build_Kernel' is not lower-case words joined by hyphens": dict(commands={"Build_Kernel": good.commands["build-kernel"]}),
+        "command 'build' does not take (argv) with a docstring for its help": dict(commands={"build": lambda: 0}),
     }
     for problem, change in cases.items():
         with pytest.raises(surfaces.SurfaceError, match=problem.replace("(", r"\(").replace(")", r"\)")):
@@ -142,9 +144,15 @@ def test_a_wrong_declaration_is_refused_when_it_loads():
 
 
 def test_every_package_folder_is_in_the_distribution():
-    """pyproject.toml lists the packages one by one: a folder left out would be missing from the wheel and the image."""
+    """pyproject.toml lists the packages one by one: a folder left out would be missing from the wheel and the image.
+    A folder of data only (the kernel's sources) is listed with the files it ships (package-data), every one of them."""
     import tomllib
 
-    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {".".join([TOP, *path.parent.relative_to(PACKAGE).parts]) for path in PACKAGE.rglob("*.py")}
-    assert sorted(folders) == sorted(listed)
+    data = setuptools.get("package-data", {})
+    assert sorted(folders | set(data)) == sorted(setuptools["packages"])
+    for package, patterns in data.items():
+        folder = PACKAGE.joinpath(*package.split(".")[1:])
+        shipped = {path for pattern in patterns for path in folder.glob(pattern)}
+        assert shipped and shipped == set(folder.iterdir()), package

@@ -391,4 +391,4 @@ LEDGER = Ledger(
                 "superseded for accept_and_finalize) and no other route hands out the epilogue's views",
 )
 SURFACE = Surface(name=NAME, flag=FLAG, summary=SUMMARY, parse=parse, check=check, check_value=CHECK_VALUE,
-                  ledger=LEDGER, machine=machine)
+                  ledger=LEDGER, machine=machine, commands={"build-kernel": accept_snapshot.build_command})
