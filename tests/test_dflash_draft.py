@@ -1,4 +1,4 @@
-"""The pack's own site 31:pack-dflash-draft-greedy (issue 23, part 1): DFlash's greedy draft
+"""The pack's own site 31:pack-dflash-draft-greedy: DFlash's greedy draft
 proposal broadcast from rank 0 where it is rank-local (adapter/rank0_broadcast/dflash_draft.py).
 
 - grammar: its own token (slug or number), never a preset, never one of the engine's;

@@ -13,8 +13,9 @@ collectives. The adapter makes each probe return the group minimum.
   shown to reach the capture group for the deployment (a known topology whose batch group
   has more than one rank); applied by the pack (SpecTpSync.available_memory_gb made the
   group minimum) where it is not: DP attention with attention-TP 1, or the deployment
-  unknown (issue 22); refused when SGLANG_SPEC_TP_SYNC (the user's, or what
-  DSV41_SPEC_TP_SYNC hands over) drops the memory sites, refused on doctored consumers.
+  unknown (a SpecTpSync over one rank keeps no site, so its probe stays per rank); refused
+  when SGLANG_SPEC_TP_SYNC (the user's, or what DSV41_SPEC_TP_SYNC hands over) drops the
+  memory sites, refused on doctored consumers.
   On real gloo ranks with 0.5.23's own SpecTpSync, GroupCoordinators and the workers'
   init_cuda_graphs: a one-rank attention-TP group inside a larger capture group, unequal
   free memory: the ranks' capture decisions differ unpatched and agree with the pack.
@@ -396,7 +397,7 @@ def test_0_5_23_probe_not_shown_is_applied_by_the_pack():
     assert "not once over the group it was given" in outcome.reason
 
 
-# ---------------------------------------------------------------- 0.5.23: ranks (issue 22)
+# ---------------------------------------------------------------- 0.5.23: ranks (SpecTpSync over one rank)
 
 FREES = [0.6, 8.0]  # rank 0 below the 1 GB capture gate, rank 1 well above
 

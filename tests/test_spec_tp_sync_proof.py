@@ -1,5 +1,6 @@
-"""SUPERSEDED is a proof (issue 21.4): the engine's own SpecTpSync (sglang 0.5.19+) is judged
-from its source, the same way for the installed engine and a release read from its sources.
+"""SUPERSEDED is a proof (the pack stands aside only where the engine is shown to do the job):
+the engine's own SpecTpSync (sglang 0.5.19+) is judged from its source, the same way for the
+installed engine and a release read from its sources.
 
 - The real releases 0.5.19 - 0.5.23 (sources) and the installed 0.5.23: the proof holds, and
   each reason names what was shown and the server arguments it was judged for.
