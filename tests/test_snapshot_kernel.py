@@ -267,7 +267,7 @@ def test_the_applied_line_and_doctor_say_which_copy(monkeypatch):
     assert runtime.decide({}, names=(folded_fence.NAME,)).lines()[0].endswith("OFF - DSV41_FOLDED_FENCE is off (sglang 0.5.23)")
 
 
-# --- issue 26: the broadcast's block and the divergence report's comparison -------------------
+# --- the broadcast's block and the divergence report's comparison (one launch each) ----------
 
 def test_the_library_packs_and_compares_cuda_values_only(sm80):
     """Its pack and count_divergence are bound; on CPU values they decline, launching nothing,

@@ -25,7 +25,8 @@ else DEFAULT_PATH. If the file is missing, does not load, was built from other
 sources or another torch, or holds no code for this GPU, the clones serve and
 `copy_mode()` says why: the values are the same either way, only the cost differs.
 
-The same library serves two more callers on the eager decode path (issue 26), offered to them
+The same library serves two more callers on the eager decode path (one launch where torch costs
+several in host time), offered to them
 through spectpsync.library: `pack` (snapshot's block, plus the block itself as one flat tensor,
 for the rank-0 broadcast's one collective), `count_divergence` and `count_pair` (the divergence
 report's fused comparison, one launch per site call), `receive` (the tensor a rank receives
@@ -216,7 +217,7 @@ def _offered():
     return kernel, (kernel_path() if kernel is not None else copy_mode()[1])
 
 
-shared_library.offer(_offered)  # the broadcast's block and the divergence report's comparison (issue 26)
+shared_library.offer(_offered)  # the broadcast's block and the divergence report's comparison: one launch each
 
 
 def use_extension(enabled: bool) -> None:

@@ -101,7 +101,7 @@ def _record_group(wrapped, instance, args, kwargs):
 
 def _engine_group(wrapped, instance, args, kwargs):
     """0.5.19+: the group the worker built its own SpecTpSync over (the group that runs one
-    batch, shown by upstream_sync.worker_groups), kept once __init__ has run; nothing proposes
+    batch, shown by groups_proof.worker_groups), kept once __init__ has run; nothing proposes
     a draft before it returns (capture and the selector warm-up run in init_cuda_graphs)."""
     result = wrapped(*args, **kwargs)
     bind_group(DFLASH, instance._tp_sync._tp_group)
