@@ -505,6 +505,11 @@ def test_an_epilogue_struct_whose_class_changes_is_walked_again(epilogue):
     result = Data(torch.zeros(2))
     fence_boundary._walk(result, epilogue)
     assert verdicts(result, epilogue) == (True, [], set())
+    assert verdicts(result, epilogue) == (True, [], set())  # the struct's slots now compared in place
+    replaced = torch.zeros(2, dtype=torch.int64)
+    msgspec.structs.force_setattr(epilogue.static_io[4], "positions", replaced)  # a field rebound: the map no longer holds
+    assert fence_boundary._cache(epilogue)[4](Data(replaced[:1]), epilogue) is False
+    assert fence_boundary._walk(Data(replaced[:1]), epilogue)[1] == ["Data.a <- DsparkVerifyEpilogue.static_io[4].positions"]
     moved = torch.zeros(3, dtype=torch.int64)
     Served.seq_lens = property(lambda self: moved)  # the field now reads other memory
     try:

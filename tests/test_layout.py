@@ -21,7 +21,8 @@ ALLOWED = {
     "framework": {"engine", "framework", "<root>"},
     "spectpsync": {"engine", "framework", "spectpsync"},
     "<adapter>": {"engine", "framework", "spectpsync", "<self>"},
-    "cli": {"engine", "framework", "<root>"},
+    "rollout": {"rollout"},  # judges running servers from outside: nothing of the engine or the adapters
+    "cli": {"engine", "framework", "rollout", "<root>"},
     "<root>": {"framework"},
 }
 
@@ -132,9 +133,26 @@ def test_a_wrong_declaration_is_refused_when_it_loads():
         "check does not take (engine, setting, context)": dict(check=lambda engine: None),
         "check_value 'off' does not switch DSV41_FOLDED_FENCE on": dict(check_value="off"),
         "check_with names an adapter whose setting it does not declare it reads": dict(check_with={"rank0_broadcast": "all"}),
+        "command 'Build_Kernel' is not lower-case words joined by hyphens": dict(commands={"Build_Kernel": good.commands["build-kernel"]}),
+        "command 'build' does not take (argv) with a docstring for its help": dict(commands={"build": lambda: 0}),
     }
     for problem, change in cases.items():
         with pytest.raises(surfaces.SurfaceError, match=problem.replace("(", r"\(").replace(")", r"\)")):
             surfaces.validate(surfaces.Surface(**{**good.__dict__, **change}), "folded_fence", ADAPTERS)
     with pytest.raises(surfaces.SurfaceError, match="named 'folded_fence', its folder 'other'"):
         surfaces.validate(good, "other", ADAPTERS)
+
+
+def test_every_package_folder_is_in_the_distribution():
+    """pyproject.toml lists the packages one by one: a folder left out would be missing from the wheel and the image.
+    A folder of data only (the kernel's sources) is listed with the files it ships (package-data), every one of them."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join([TOP, *path.parent.relative_to(PACKAGE).parts]) for path in PACKAGE.rglob("*.py")}
+    data = setuptools.get("package-data", {})
+    assert sorted(folders | set(data)) == sorted(setuptools["packages"])
+    for package, patterns in data.items():
+        folder = PACKAGE.joinpath(*package.split(".")[1:])
+        shipped = {path for pattern in patterns for path in folder.glob(pattern)}
+        assert shipped and shipped == set(folder.iterdir()), package

@@ -18,6 +18,7 @@ from .ledger import Ledger
 
 SETTING, HANDOVER = "setting", "handover"  # what an adapter may read of another
 FLAG_NAME = re.compile(r"DSV41_[A-Z0-9_]+")
+COMMAND_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 
 
 class SurfaceError(TypeError):
@@ -34,7 +35,9 @@ class Surface:
     this one reads (SETTING, HANDOVER or both, comma-separated); check_with: other adapters
     switched on for the engine check (name -> flag value); extra_flags: further variables
     it reads -> their help line; machine(): what this machine adds to an applied outcome;
-    ledger: why it exists and when it retires."""
+    commands: subcommands of the pack's command line it brings (`sglang-adapters NAME ARGS...`
+    -> run(ARGS) -> exit status; the first line of run's docstring is its help); ledger: why
+    it exists and when it retires."""
 
     name: str
     flag: str
@@ -47,6 +50,7 @@ class Surface:
     check_with: Mapping[str, str] = field(default_factory=dict)
     extra_flags: Mapping[str, str] = field(default_factory=dict)
     machine: Optional[Callable[[], str]] = None
+    commands: Mapping[str, Callable[[list[str]], int]] = field(default_factory=dict)
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -94,6 +98,11 @@ def validate(surface, name: str, registered: tuple[str, ...]) -> Surface:
         raise wrong("check_with names an adapter whose setting it does not declare it reads")
     if surface.machine is not None and not callable(surface.machine):
         raise wrong("machine is not callable")
+    for command, run in surface.commands.items():
+        if not COMMAND_NAME.fullmatch(command):
+            raise wrong(f"command {command!r} is not lower-case words joined by hyphens")
+        if not callable(run) or not _takes(run, 1) or not (run.__doc__ or "").strip():
+            raise wrong(f"command {command!r} does not take (argv) with a docstring for its help")
     if not isinstance(surface.ledger, Ledger):
         raise wrong("it has no Ledger")
     return surface
