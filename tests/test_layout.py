@@ -132,9 +132,23 @@ def test_a_wrong_declaration_is_refused_when_it_loads():
         "check does not take (engine, setting, context)": dict(check=lambda engine: None),
         "check_value 'off' does not switch DSV41_FOLDED_FENCE on": dict(check_value="off"),
         "check_with names an adapter whose setting it does not declare it reads": dict(check_with={"rank0_broadcast": "all"}),
+        "server_args 'speculative_algorithm' is not a tuple of server argument names": dict(
+            server_args="speculative_algorithm"),
+        "server_args ('--tp-size',) is not a tuple of server argument names": dict(server_args=("--tp-size",)),
     }
     for problem, change in cases.items():
         with pytest.raises(surfaces.SurfaceError, match=problem.replace("(", r"\(").replace(")", r"\)")):
             surfaces.validate(surfaces.Surface(**{**good.__dict__, **change}), "folded_fence", ADAPTERS)
     with pytest.raises(surfaces.SurfaceError, match="named 'folded_fence', its folder 'other'"):
         surfaces.validate(good, "other", ADAPTERS)
+
+
+def test_the_wheel_ships_every_package_of_the_pack():
+    """pyproject.toml lists the packages (its package-dir maps the installed name onto adapter/,
+    which setuptools' discovery does not follow): a folder left out would install without it."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {TOP + "".join(f".{part}" for part in path.parent.relative_to(PACKAGE).parts)
+               for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
+    assert folders == listed
