@@ -74,37 +74,36 @@ def kernel(contract: Contract) -> Optional[Kernel]:
     text = small_text(found[0]) if found else None
     if text is None:
         return None
-    constants = dict(_CONSTANT.findall(text))
-    shapes = set()
+    where, constants, shapes = str(found[0].relative_to(package.parent)), dict(_CONSTANT.findall(text)), set()
     for expression in {" ".join(e.split()) for e in _DECLARED.findall(text)}:
         capped = [int(constants[name]) for name in re.findall(r"\bk\w+", expression) if name in constants]
         if capped and "std::min" in expression:
-            shapes.add(Kernel(str(found[0]), min(capped), expression))
+            shapes.add(Kernel(where, min(capped), expression))
         elif not capped and {"ring_size", "window_size"} <= set(re.findall(r"\w+", expression)):
-            shapes.add(Kernel(str(found[0]), None, expression))
+            shapes.add(Kernel(where, None, expression))
         else:
             shapes.add(None)
     if len(shapes) != 1 or None in shapes:
-        raise contract.refuse(f"{found[0].name}:mtp_pad", "the compress write plan's pad is declared "
-                                                          f"{len(shapes)} ways, or in a shape the pack does not know")
+        raise contract.refuse(f"{where}:mtp_pad", f"the compress write plan's pad is declared {len(shapes)} ways, "
+                                                  "or in a shape the pack does not know")
     return shapes.pop()
 
 
-def python_mirror(pool: Contract, configurator: Contract) -> Optional[str]:
-    """How the Python side derives and enforces the pad, None where it carries neither."""
+def python_mirror(pool: Contract, configurator: Contract) -> tuple[bool, str]:
+    """Whether the Python side derives the pad and bounds the draft count with it, and how."""
     if getattr(pool.module, PAD, None) is None:
         if configurator.calls(PAD, method=False):
             raise configurator.refuse(PAD, f"is called but {POOL} no longer defines it")
-        return None
+        return False, f"no {PAD} in {POOL}"
     pool.params(PAD, {"compress_ratio": POSITIONAL, "ring_size": POSITIONAL})
     returned = [node for node in ast.walk(ast.parse(pool.function_source(PAD))) if isinstance(node, ast.Return)]
     if not any(isinstance(n, ast.Name) and n.id == "ring_size" for r in returned for n in ast.walk(r)):
         raise pool.refuse(PAD, "no longer returns a value derived from ring_size")
     calls = configurator.calls(PAD, method=False)
     if not calls or getattr(getattr(configurator.module, PAD, None), "__module__", None) != POOL:
-        return None  # defined, yet nothing bounds the verify window with it
-    return (f"{POOL}.{PAD}(compress_ratio, ring_size) derives the pad from the ring; {CONFIGURATOR} bounds the "
-            f"draft count with it (line {calls[0].line}: the engine refuses a verify window beyond it itself)")
+        return False, f"{POOL}.{PAD} is defined, but {CONFIGURATOR} bounds no draft count with it"
+    return True, (f"{POOL}.{PAD}(compress_ratio, ring_size) derives the pad from the ring; {CONFIGURATOR} bounds "
+                  f"the draft count with it (line {calls[0].line}: the engine refuses a verify window beyond it itself)")
 
 
 def verify_window(args) -> tuple[Optional[int], str]:
@@ -124,18 +123,17 @@ def plan(engine, context) -> Plan:
     launch where the window is not known here."""
     modules = target_modules(NAME, engine, ((POOL, True), (CONFIGURATOR, True)))
     pool, configurator = Contract(NAME, modules[POOL]), Contract(NAME, modules[CONFIGURATOR])
-    mirror, pad = python_mirror(pool, configurator), kernel(pool)
-    if mirror is not None and (pad is None or pad.cap is None):
-        return Plan("superseded", f"the engine derives the DeepSeek-V4 compress write pad itself: {mirror}"
-                                  + (f"; {pad.describe()}" if pad else "; the kernel's source is not in this tree"))
-    if mirror is not None or (pad is not None and pad.cap is None):
-        raise pool.refuse(PAD, f"the Python mirror and the plan kernel disagree on the write pad ({mirror or 'no mirror'}"
-                               f"; {pad.describe() if pad else 'no kernel source'}): the pack cannot tell which a "
-                               "verify step runs")
+    (derived, mirror), pad = python_mirror(pool, configurator), kernel(pool)
+    said = pad.describe() if pad is not None else "the kernel's source is not in this tree"
+    if derived and (pad is None or pad.cap is None):
+        return Plan("superseded", f"the engine derives the DeepSeek-V4 compress write pad itself: {mirror}; {said}")
+    if derived or (pad is not None and pad.cap is None):
+        raise pool.refuse(PAD, f"the Python mirror and the plan kernel disagree on the write pad ({mirror}; {said}): "
+                               "the pack cannot tell which a verify step runs")
     bound = pad.cap if pad is not None else UPSTREAM_CAP
-    how = (f"this tree's compress write plan keeps at most {bound} draft tokens resident ("
-           + (pad.describe() if pad else f"no {PAD} in {POOL}; the kernel's source is not in this tree: its cap "
-                                         f"before sgl-project/sglang#34189, kMaxMTPDraftTokens = {UPSTREAM_CAP}") + ")")
+    how = (f"this tree's compress write plan keeps at most {bound} draft tokens resident ({mirror}; "
+           + (said if pad is not None else f"{said}: its cap before sgl-project/sglang#34189, kMaxMTPDraftTokens = "
+                                           f"{UPSTREAM_CAP}") + ")")
     return _judge(engine, pool, bound, how, context)
 
 
