@@ -45,8 +45,7 @@ UPSTREAM_CAP = 4  # kMaxMTPDraftTokens in c_plan.cuh before sgl-project/sglang#3
 DSPARK = "DSPARK"
 SERVER_ARGS = ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_dspark_block_size")
 
-THREADS = ("sgl-project/sglang#34959 (DSpark corrupts identifiers silently above the bound; mechanism: "
-           "sgl-project/sglang#33872; fix: sgl-project/sglang#34189)")
+THREADS = "sgl-project/sglang#34959; the mechanism: sgl-project/sglang#33872; the fix: sgl-project/sglang#34189"
 SAFE = (f"--speculative-dspark-block-size {UPSTREAM_CAP - 1} (verify window {UPSTREAM_CAP}) or lower, or an engine "
         "that derives the write pad (sgl-project/sglang#34189)")
 
