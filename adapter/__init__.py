@@ -10,9 +10,13 @@ only those before it (tests/test_layout.py enforces it):
                 its ledger, flags, the runtime, patching, the plugin, delivery, the audit,
                 the deployment's topology, the lines and metrics the pack emits
   spectpsync/   what the adapters share about rank-0 broadcast: upstream's site grammar, the
-                engine's own SpecTpSync and its proof, the pack's broadcast on the decode path
+                engine's own SpecTpSync and the proofs that it does the job, one concern a module
+                (broadcast_proof, memory_probe_proof, groups_proof, callers_proof), the pack's
+                broadcast on the decode path
   <adapter>/    one folder per adapter (ADAPTERS below): its `SURFACE`, its ledger and its
                 code; adapters never import one another, they declare what they read
+  rollout/      judging a rollout from outside the servers (`sglang-adapters canary`): their
+                /metrics and their answers; it imports no other layer (cli.py imports it)
 
 Registering an adapter is one line: its folder's name in ADAPTERS. This table imports
 none of them: choosing what to patch costs nothing in processes that patch nothing.

@@ -1,11 +1,14 @@
 """The pack's command line: the console script `sglang-adapters` and the image's ENTRYPOINT.
 
     sglang-adapters                            the doctor report (no arguments)
-    sglang-adapters doctor [--json] [--strict] [--engine PATH] [-- COMMAND ...]
+    sglang-adapters doctor [--json] [--strict] [--verbose] [--engine PATH] [ADAPTER ...] [-- COMMAND ...]
     sglang-adapters [--] COMMAND ARGS...       wrapper: check flags and engine, apply here, exec COMMAND
     sglang-adapters launch SERVER-ARGS...      the engine's server in this process, after the same check;
     sglang-adapters --model-path ...           bare server arguments are a shorthand for it
+    sglang-adapters canary --canary URL [--baseline URL] [--json] [...]
+                                               a canary judged against a baseline (adapter/rollout)
     sglang-adapters version | --version | --help
+    sglang-adapters build-kernel [--archs ...]  an adapter's own command (folded_fence: its kernel file)
 
 Exit statuses: EXIT_STATUSES below, one table for launch, the wrapper and doctor --strict.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib.metadata
 import importlib.util
 import json
@@ -123,27 +127,18 @@ def build_parser() -> Parser:
                "  The engine's own argument errors stay 2; a wrapped command's status is its own.",
     )
     parser.add_argument("--version", action="version", version=version_text())
-    commands = parser.add_subparsers(dest="command", metavar="{doctor,launch,version}")
-    doctor_parser = commands.add_parser(
-        "doctor", help="report every adapter against the engine (the default)",
-        description="Report every adapter's outcome under the current flags (the decision the launcher and "
-                    "every rank take) and its engine check (switched on at its broadest setting).",
-        epilog=f"exit statuses with --strict:\n{statuses_help()}", formatter_class=argparse.RawDescriptionHelpFormatter)
-    doctor_parser.add_argument("--json", action="store_true",
-                               help=f"print the report as JSON (schema version {SCHEMA_VERSION}: "
-                                    "docs/doctor-report.schema.json)")
-    doctor_parser.add_argument("--strict", action="store_true",
-                               help=f"exit {EXIT_FLAGS} on a flag error, {EXIT_REFUSED} on any refusal, on or off "
-                                    "(docker build runs this)")
+    extra = adapter_commands()
+    commands = parser.add_subparsers(dest="command",
+                                     metavar="{" + ",".join(["doctor", "launch", "canary", "version", *extra]) + "}")
+    doctor_parser = commands.add_parser("doctor", help="report every adapter against the engine (the default)",
+                                        **DOCTOR_HELP)
+    doctor_options(doctor_parser)
     doctor_parser.add_argument(
-        "--engine", metavar="PATH",
-        help="check an engine that is not imported here: an sglang wheel, or a folder holding sglang/ "
-             "(an unpacked wheel or site-packages); read from its sources, nothing of it runs")
-    doctor_parser.add_argument(
-        "command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-        help="judge the deployment this command would start (its server arguments, read with the engine's own "
-             "parser; nothing is run); without it, every adapter whose verdict depends on the deployment is "
-             "shown per representative layout")
+        "command", nargs=argparse.REMAINDER, metavar="ADAPTER ... -- COMMAND",
+        help="ADAPTER: an adapter's name or flag, one or more: the full report of just those (exit "
+             f"{EXIT_FLAGS} for a name that is neither); -- COMMAND: judge the deployment this command would start "
+             "(its server arguments, read with the engine's own parser; nothing is run); without it, every adapter "
+             "whose verdict depends on the deployment is shown per representative layout")
     doctor_parser.set_defaults(run=doctor)
     commands.add_parser(
         "launch", help="check, apply here, then run the engine's server with SERVER-ARGS in this process",
@@ -154,9 +149,30 @@ def build_parser() -> Parser:
                     f"{SERVER_MODULE} --help).",
         epilog=f"exit statuses:\n{statuses_help()}\n  The server's own statuses (2 for its argument errors) "
                "pass through.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .rollout import canary, verdict
+
+    canary_parser = commands.add_parser(
+        "canary", help="judge a canary against a baseline: their metrics over a window, their answers to a prompt set",
+        description=textwrap.fill(
+            "Judge a canary server (the pack on) against a baseline (the same model and traffic, the pack off) from "
+            "outside both: their Prometheus /metrics over a window (restarts, NaN, missing ranks, accept length, ranks "
+            "alike, progress, the canary against the baseline) and their answers at temperature 0 to a fixed prompt "
+            "set with opaque identifiers to repeat verbatim (the canary against the baseline's own run-to-run "
+            "difference). Progress on stderr; the verdict on stdout.", 100),
+        epilog="exit statuses:\n" + "\n".join(_item(str(code), meaning, 5) for code, meaning in verdict.EXIT_STATUSES),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    canary.add_arguments(canary_parser)
+    canary_parser.set_defaults(run=run_canary, usage_error=canary_parser.error)
     commands.add_parser("version", help="print the pack's and the engine's versions").set_defaults(
         run=lambda opts: print(version_text()) or EXIT_OK)
+    for name, run in extra.items():  # listed here; main() hands them their arguments unparsed
+        commands.add_parser(name, help=run.__doc__.strip().splitlines()[0], add_help=False)
     return parser
+
+
+def adapter_commands() -> dict:
+    """The subcommands the adapters bring (their surfaces' `commands`): name -> run(argv) -> status."""
+    return {name: run for adapter in ADAPTERS for name, run in load(adapter).commands.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     first = argv[0]
     if first == "launch" and argv[1:2] not in (["-h"], ["--help"]):
         return launch(argv[1:])  # every argument after `launch` is the engine's, except a lone --help
-    if first in ("doctor", "launch", "version", "-h", "--help", "--version"):
+    if first in ("doctor", "launch", "canary", "version", "-h", "--help", "--version"):
         opts = parse(argv)
         return opts.run(opts)
     if first == "--":
@@ -175,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return wrap(argv[1:])
     if first.startswith("-"):
         return launch(argv)  # bare server arguments: the engine's server
-    return wrap(argv)
+    command = adapter_commands().get(first)
+    return command(argv[1:]) if command else wrap(argv)
 
 
 def parse(argv: list[str]):
@@ -194,10 +211,60 @@ def parse(argv: list[str]):
 
 # --- doctor ---------------------------------------------------------------------------------
 
-def doctor(opts) -> int:
-    command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
-    if opts.command and not command:
+DOCTOR_HELP = dict(
+    usage="sglang-adapters doctor [-h] [--json] [--strict] [--verbose] [--engine PATH] [ADAPTER ...] [-- COMMAND ...]",
+    description="Report every adapter's outcome under the current flags (the decision the launcher and every rank "
+                "take) and its engine check (switched on at its broadest setting): the table, then one line per "
+                "adapter with the deciding reason; --verbose or ADAPTER for every proof, site and caller.",
+    epilog=f"exit statuses with --strict:\n{statuses_help()}", formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def doctor_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help=f"print the report as JSON (schema version {SCHEMA_VERSION}: docs/doctor-report.schema.json)")
+    parser.add_argument("--strict", action="store_true",
+                        help=f"exit {EXIT_FLAGS} on a flag error, {EXIT_REFUSED} on any refusal, on or off "
+                             "(docker build runs this)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="every adapter's full reasons: each proof, site and caller, and its engine check's")
+    parser.add_argument(
+        "--engine", metavar="PATH",
+        help="check an engine that is not imported here: an sglang wheel, or a folder holding sglang/ "
+             "(an unpacked wheel or site-packages); read from its sources, nothing of it runs")
+
+
+class SelectionError(ValueError):
+    """doctor ADAPTER naming no adapter: bad configuration, EXIT_FLAGS."""
+
+
+def doctor_selection(opts) -> tuple[list[str], list[str]]:
+    """(the adapters named before --, in the pack's order; the command after it). The words
+    before -- may hold options too (`doctor folded_fence --json`): they are read as doctor's."""
+    words = opts.command
+    cut = words.index("--") if "--" in words else len(words)
+    if words[cut:] == ["--"]:
         build_parser().error("no COMMAND after --")
+    names = Parser(prog="sglang-adapters doctor", **DOCTOR_HELP)
+    doctor_options(names)
+    names.add_argument("adapters", nargs="*")
+    asked = names.parse_intermixed_args(words[:cut], namespace=opts).adapters
+    by_name = {key: name for name in ADAPTERS for key in (name, *load(name).flags)}
+    unknown = [word for word in asked if word not in by_name]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], by_name, n=1)
+        raise SelectionError(f"doctor {unknown[0]}: no adapter of this pack has that name or flag"
+                             + (f"; did you mean {near[0]}?" if near else "")
+                             + f" (its adapters: {', '.join(ADAPTERS)}; a command to judge goes after --)")
+    chosen = {by_name[word] for word in asked}
+    return [name for name in ADAPTERS if name in chosen], words[cut + 1:]
+
+
+def doctor(opts) -> int:
+    try:
+        selected, command = doctor_selection(opts)
+    except SelectionError as exc:
+        runtime.emit(f"{exc} (exit {EXIT_FLAGS})")
+        return EXIT_FLAGS
     if command:
         deployment, judged = topology.from_command(command)
         if deployment is None:
@@ -217,8 +284,9 @@ def doctor(opts) -> int:
             engine = InstalledEngine()
         found = report(os.environ, engine, deployment, judged)
     status = VERDICT_STATUS[verdict(found)]
+    shown = only(found, selected) if selected else found  # the verdict stays the whole pack's
     if opts.json:
-        emit(json.dumps(as_json(found, opts.engine, status), indent=2))
+        emit(json.dumps(as_json(shown, opts.engine, status), indent=2))
     else:
         if not found["ranks_checked"]:
             ranks = (f"run_scheduler_process calls the plugin loader; which plugins it finds is not checked: the engine at "
@@ -227,10 +295,18 @@ def doctor(opts) -> int:
             ranks = "; ".join(found["delivery_problems"]) + " (every adapter is off: nothing is lost, the launch goes on)"
         else:
             ranks = None
-        emit(render_table(found["engine"], found["adapters"], found["delivery_problems"], ranks, found["unknown_flags"],
-                          provenance=found["provenance"], entry_point=found["entry_point"])
-             + render_deployment(found) + f"\nverdict: {verdict(found)} (doctor --strict exits {status})")
+        full = opts.verbose or bool(selected)
+        emit(render_table(found["engine"], shown["adapters"], found["delivery_problems"], ranks, found["unknown_flags"],
+                          provenance=found["provenance"], entry_point=found["entry_point"], verbose=full)
+             + render_deployment(shown, verbose=full) + f"\nverdict: {verdict(found)} (doctor --strict exits {status})"
+             + ("; of every adapter, not only those shown" if selected else ""))
     return status if opts.strict else EXIT_OK
+
+
+def only(found: dict, names: list[str]) -> dict:
+    """The report's adapters (and their outcomes per layout) narrowed to `names`."""
+    return {**found, "adapters": [r for r in found["adapters"] if r["adapter"] in names],
+            "by_layout": {name: per_layout for name, per_layout in found["by_layout"].items() if name in names}}
 
 
 def emit(text: str) -> None:
@@ -254,9 +330,10 @@ def report(environ, engine, deployment=None, judged: str = "") -> dict:
     rows = []
     for outcome in decision.outcomes:
         adapter = load(outcome.adapter)
-        check = runtime.engine_check(adapter, engine)  # the engine alone: any deployment
+        check = runtime.engine_verdict(adapter, engine)  # the engine alone: any deployment
         rows.append({**outcome.as_dict(), "summary": adapter.summary, "engine_check": check[0], "engine_check_reason": check[1],
-                     "setting": decision.settings.get(outcome.adapter), "machine": runtime.machine_note(outcome.adapter) or None})
+                     "engine_check_short_reason": check[2], "setting": decision.settings.get(outcome.adapter),
+                     "machine": runtime.machine_note(outcome.adapter) or None})
     delivery_problems = runtime.delivery_problems(environ, engine)
     plugins = delivery.discovery_module(engine)
     return {
@@ -278,29 +355,31 @@ def report(environ, engine, deployment=None, judged: str = "") -> dict:
 
 
 def by_layout(environ, engine) -> dict:
-    """adapter -> {layout name: (outcome, reason)} on each representative layout, for the
+    """adapter -> {layout name: (outcome, reason, short reason)} on each representative layout, for the
     adapters whose outcome differs between them (the decision without a deployment holds
     for every layout)."""
     outcomes = {name: runtime.decide(environ, engine, topology=layout).outcomes
                 for name, layout in topology.REPRESENTATIVE.items()}
     found = {}
     for index, adapter in enumerate(ADAPTERS):
-        per_layout = {name: (o[index].state, o[index].reason) for name, o in outcomes.items()}
-        if len({state for state, _ in per_layout.values()}) > 1:
+        per_layout = {name: (o[index].state, o[index].reason, o[index].short_reason) for name, o in outcomes.items()}
+        if len({state for state, *_ in per_layout.values()}) > 1:
             found[adapter] = per_layout
     return found
 
 
-def render_deployment(found: dict) -> str:
+def render_deployment(found: dict, verbose: bool = True) -> str:
     """Which deployment the verdicts are for: the command's, or every layout, then the
-    adapters whose outcome depends on the layout, one line per layout."""
+    adapters whose outcome depends on the layout, one line per layout (its full reason, or
+    with `verbose` False the short one)."""
     if found["deployment"] is not None:
         return f"\ndeployment: {found['deployment'].describe()} ({found['judged']})"
     lines = ["", "deployment: none given (doctor -- COMMAND judges one); the outcomes above hold for every layout"]
     for adapter, per_layout in found["by_layout"].items():
         lines.append(f"  {adapter} depends on the layout:")
-        for name, (state, reason) in per_layout.items():
-            lines.append(f"    {topology.REPRESENTATIVE[name].describe()}: {state} - {reason}")
+        for name, (state, reason, short) in per_layout.items():
+            line = f"    {topology.REPRESENTATIVE[name].describe()}: {state} - {reason if verbose else short}"
+            lines.append(line if verbose else runtime.clip(line, runtime.DOCTOR_LINE_LIMIT))
     return "\n".join(lines)
 
 
@@ -358,8 +437,9 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
         "switched_off": found["switched_off"],
         "adapters": [{
             "adapter": r["adapter"], "flag": r["flag"], "value": r["value"], "setting": _setting(r["setting"]),
-            "outcome": r["state"], "reason": r["reason"], "summary": r["summary"],
-            "engine_check": {"outcome": r["engine_check"], "reason": r["engine_check_reason"]},
+            "outcome": r["state"], "reason": r["reason"], "short_reason": r["short_reason"], "summary": r["summary"],
+            "engine_check": {"outcome": r["engine_check"], "reason": r["engine_check_reason"],
+                             "short_reason": r["engine_check_short_reason"]},
             "machine": r["machine"],
         } for r in found["adapters"]],
         "ranks": {"checked": found["ranks_checked"], "problems": found["delivery_problems"],
@@ -370,14 +450,15 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
             **dataclasses.asdict(found["deployment"]), "attn_tp_size": found["deployment"].attn_tp_size,
             "judged_from": found["judged"]},
         "by_layout": {adapter: {name: {"topology": dataclasses.asdict(topology.REPRESENTATIVE[name]), "outcome": state,
-                                       "reason": reason} for name, (state, reason) in per_layout.items()}
+                                       "reason": reason, "short_reason": short}
+                                for name, (state, reason, short) in per_layout.items()}
                       for adapter, per_layout in found["by_layout"].items()},
         "ignored_variables": found["ignored_variables"],
     }
 
 
 def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str | None = None,
-                 unknown: list[str] = (), *, provenance: dict | None = None, entry_point=None) -> str:
+                 unknown: list[str] = (), *, provenance: dict | None = None, entry_point=None, verbose: bool = True) -> str:
     header = ("adapter", "flag", "value", "outcome", "engine check")
     table = [header] + [
         (r["adapter"], r["flag"], "<unset>" if r["value"] is None else repr(r["value"]), r["state"], r["engine_check"])
@@ -387,13 +468,7 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
     lines = [*(engine_header(version, provenance) if provenance else [f"sglang {version}"]), ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.append("")
-    for r in rows:
-        lines.append(f"{r['adapter']}: {r['summary']}")
-        lines.append(f"  outcome: {r['reason']}")
-        if r["engine_check_reason"] != r["reason"]:
-            lines.append(f"  engine check: {r['engine_check_reason']}")
-        if r.get("machine"):
-            lines.append(f"  this machine: {r['machine']}")
+    lines += full_reasons(rows) if verbose else [*map(summary_line, rows), DETAILS]
     lines.append("")
     if ranks is None:
         ranks = "; ".join(delivery) if delivery else (
@@ -402,6 +477,43 @@ def render_table(version: str, rows: list[dict], delivery: list[str], ranks: str
     for problem in unknown:
         lines.append("flags: " + problem)
     return "\n".join(lines)
+
+
+DETAILS = "(every proof, site and caller behind these lines: doctor --verbose, or doctor ADAPTER ...)"
+
+
+def summary_line(row: dict) -> str:
+    """One adapter in one line: its outcome and the deciding reason; where its engine check
+    refuses (what --strict fails on) and the outcome does not, that refusal instead."""
+    if row["engine_check"] == runtime.REFUSED and row["state"] != runtime.REFUSED:
+        line = f"{row['adapter']}: {row['state']}; engine check refused - {row['engine_check_short_reason']}"
+    else:
+        line = f"{row['adapter']}: {row['state']} - {row['short_reason']}"
+    return runtime.clip(line, runtime.DOCTOR_LINE_LIMIT)
+
+
+def full_reasons(rows: list[dict]) -> list[str]:
+    """Each adapter's paragraph: what it does, its outcome's and its engine check's full reasons."""
+    lines = []
+    for r in rows:
+        lines.append(f"{r['adapter']}: {r['summary']}")
+        lines.append(f"  outcome: {r['reason']}")
+        if r["engine_check_reason"] != r["reason"]:
+            lines.append(f"  engine check: {r['engine_check_reason']}")
+        if r.get("machine"):
+            lines.append(f"  this machine: {r['machine']}")
+    return lines
+
+
+# --- canary ---------------------------------------------------------------------------------
+
+def run_canary(opts) -> int:
+    from .rollout import canary
+
+    problem = canary.nothing_to_judge(opts)
+    if problem:
+        opts.usage_error(problem)  # the canary's own usage, exit EXIT_USAGE
+    return canary.run(opts)
 
 
 # --- launch and the wrapper -------------------------------------------------------------------

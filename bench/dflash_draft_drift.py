@@ -1,4 +1,5 @@
-"""Drift table and cost of the pack's own site 31:pack-dflash-draft-greedy (issue 23, part 1),
+"""Drift table and cost of the pack's own site 31:pack-dflash-draft-greedy (DFlash's greedy
+draft proposal, rank-local in every release),
 in one run, the way upstream peers report TP drift (vLLM's drift test: 20 mismatches -> 0 over
 120 cases).
 

@@ -19,11 +19,11 @@ broadcast is one in-place add (what the comparison itself adds, without gloo's l
 
 GPU (CUDA present): one process, the 0.5.23 SpecTpSync over a stand-in group whose
 broadcast is one in-place add on the device (standing in for the collective's launch; the
-real NCCL figures are issue 16's). Per site call, bs 1 / 64 / 256: eager host time, and
-the GPU time per call of a captured graph of 32 site calls, report off, on (the kernel
-library's fused comparison and one-launch copy of mine, issue 26; the line printed first
-says whether it serves), on_torch (torch ops, the library switched off) and abort (on, plus
-the first diverging call recorded with torch ops; eagerly also a read every call).
+real NCCL figures are bench/tp_nccl_cost.py's). Per site call, bs 1 / 64 / 256: eager host
+time, and the GPU time per call of a captured graph of 32 site calls, report off, on (the
+kernel library's fused comparison and one-launch copy of mine; the line printed first says
+whether it serves), on_torch (torch ops, the library switched off) and abort (on, plus the
+first diverging call recorded with torch ops; eagerly also a read every call).
 """
 
 from __future__ import annotations

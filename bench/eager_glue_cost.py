@@ -1,5 +1,5 @@
-"""Host time of the Python around the kernel library's calls on the eager decode path (issue 26),
-on a machine without a GPU:
+"""Host time of the Python around the kernel library's calls on the eager decode path (what the
+library's launches leave of the pack's cost per site call), on a machine without a GPU:
 
     .venv/bin/python bench/eager_glue_cost.py [--calls 20000] [--reps 5]
 

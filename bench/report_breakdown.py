@@ -1,4 +1,5 @@
-"""Where the divergence report's eager host time goes, piece by piece, on a GPU (issue 26, goal 3):
+"""Where the divergence report's eager host time goes, piece by piece, on a GPU (the
+report's goal: at most 10 us per eager site call):
 
     python bench/report_breakdown.py [--calls 20000] [--reps 7]
 

@@ -1,4 +1,4 @@
-"""Cost of the broadcast sites over a real TP group (issue 16), every variant in one run.
+"""Cost of the broadcast sites over a real TP group (NCCL, inside CUDA graphs), every variant in one run.
 
     python bench/tp_nccl_cost.py [--json OUT] [--world N] [--reps 5] [--calls 200] [--replays 20] [--cpu]
 
@@ -9,8 +9,8 @@ is one unit, measured three ways (median of --reps, the cases interleaved in eac
   eager host   host time per unit to issue it (microseconds)
   eager wall   time per unit with the device drained at the end (what a rank waits)
   captured     GPU time per unit in a CUDA graph of --per-graph units (cuda events)
-Cases, bs 1 / 8 / 64 (issue 26: the pack's new paths beside the bare collectives and the
-old paths, in the same run):
+Cases, bs 1 / 8 / 64 (the kernel library's paths beside the bare collectives and the old
+paths, in the same run):
   site/*       one site call: the bare group.broadcast; the engine's SpecTpSync.sync with
                the site on / off (off: no collective) and the divergence report on / off;
                the pack's broadcast() (0.5.16 - 0.5.18) with and without the report wrapper.
@@ -32,12 +32,12 @@ old paths, in the same run):
                the same through the wrapper the pack puts on the captured accept
                (rank0_broadcast._graph_accept), with the report (no copy of mine: the
                fields stay as they were), the concatenation alone and the block alone
-"+%" compares a case with the bare collectives it issues (its `ref`): goal 2 reads
-packed and step/*/pack_on/report_off there (at most +20 %). "rep +us/site": the eager host
-time a report case adds to the same case with the report off, per site call (goal 3: at
-most 10 us). --cpu (or no CUDA): gloo CPU processes, eager only (a check that the code
-runs; the figures are gloo's, and the library serves CUDA tensors only, so both paths of
-each pair are the old ones there).
+"+%" compares a case with the bare collectives it issues (its `ref`): the pack's goal reads
+triple/*/packed and step/*/pack_on/report_off there (at most +20 %). "rep +us/site": the eager
+host time a report case adds to the same case with the report off, per site call (the
+report's goal: at most 10 us). --cpu (or no CUDA): gloo CPU processes, eager only (a check
+that the code runs; the figures are gloo's, and the library serves CUDA tensors only, so both
+paths of each pair are the old ones there).
 NVLink multicast is off in every process (harness/nccl.py NO_MULTICAST).
 """
 
@@ -72,7 +72,7 @@ class Case:
     collectives: int  # collectives one unit issues
     report: bool = False  # the engine's report switched on (class-wide patch of SpecTpSync.sync)
     ref: Optional[str] = None  # the bare case issuing the same collectives
-    kernel: bool = True  # the kernel library packs and compares (issue 26); False: concatenation, torch ops
+    kernel: bool = True  # the library's one-launch pack and comparison; False: concatenation, torch ops
     base: Optional[str] = None  # a report case: the same case with the report off
     sites: int = 1  # site calls one unit makes
 

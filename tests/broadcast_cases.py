@@ -31,8 +31,9 @@ def _modules():
     import importlib
 
     from sglang_dsv41_adapters import rank0_broadcast as r
+    from sglang_dsv41_adapters.spectpsync import engine_class
 
-    return r, {name: importlib.import_module(name) for name, _ in r.TARGETS if name != r.upstream_sync.MODULE}
+    return r, {name: importlib.import_module(name) for name, _ in r.TARGETS if name != engine_class.MODULE}
 
 
 def _configure(value):

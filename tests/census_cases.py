@@ -1,4 +1,5 @@
-"""Ordinary refactors of the real engine modules that the census must refuse (issue 12).
+"""Ordinary refactors of the real engine modules that the census must refuse (each moves a
+hazard's name where a drift check that looks for the call alone would miss it).
 
 Each `Refactor` changes one module of a release (replacements in the real source, code
 appended to it, a new module, or a module renamed) and names the text on the line the

@@ -112,11 +112,12 @@ def cuda_home() -> str | None:
     return home if os.access(os.path.join(home, "bin", "nvcc"), os.X_OK) else None
 
 
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The module's command line, as the Dockerfile runs it (`python3 -P -m ...`)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-P", "-m", "sglang_dsv41_adapters.folded_fence.accept_snapshot", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
+def build_kernel(*args: str, env: dict | None = None, root: Path = ROOT) -> subprocess.CompletedProcess:
+    """`sglang-adapters build-kernel ARGS`, the Dockerfile's kernel step, from the checkout at `root`
+    (the pack there first on the path, as installed in the image)."""
+    env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    return subprocess.run([sys.executable, "-P", str(ROOT / "entrypoint.py"), "build-kernel", *args], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=280)
 
 
 @pytest.fixture(scope="session")
@@ -134,7 +135,7 @@ def sm80(tmp_path_factory) -> Path:
     with open(folder / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits here for the first one's build
         if not out.is_file():
-            done = cli("build", "--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home})
+            done = build_kernel("--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home})
             assert done.returncode == 0, done.stdout + done.stderr[-4000:]
             assert out.is_file() and not list(out.parent.glob("*.tmp"))
     return out
@@ -149,3 +150,15 @@ def clean_env(monkeypatch):
     monkeypatch.delenv("SGLANG_SPEC_TP_SYNC", raising=False)
     yield
     runtime.revert()
+
+
+@pytest.fixture
+def servers():
+    """servers(...) makes a stand-in sglang server on loopback (tests/standin_server.py: Server's arguments),
+    closed after the test."""
+    from tests.standin_server import Server
+
+    made = []
+    yield lambda *a, **k: made.append(Server(*a, **k)) or made[-1]
+    for server in made:
+        server.close()

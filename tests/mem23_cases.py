@@ -1,6 +1,7 @@
-"""Rank code for issue 22 (tests/test_group_min_memory.py on gloo, tests/test_tp_nccl.py on
-NCCL): sglang 0.5.23's own SpecTpSync and the workers' init_cuda_graphs probe path, with
-attention-TP groups of one rank inside a larger capture group and unequal free memory.
+"""Rank code for the memory probe where SpecTpSync keeps no site (tests/test_group_min_memory.py
+on gloo, tests/test_tp_nccl.py on NCCL): sglang 0.5.23's own SpecTpSync and the workers'
+init_cuda_graphs probe path, with attention-TP groups of one rank inside a larger capture
+group and unequal free memory.
 
 Each rank builds the engine's own GroupCoordinators (the TP group and the attention-TP
 groups), states the layout to the engine's ParallelContext, and then builds the worker's

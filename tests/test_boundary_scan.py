@@ -460,3 +460,61 @@ def test_a_map_built_before_cuda_was_up_takes_the_scan_once_it_is(sm80, monkeypa
     finally:
         fence_boundary.use_native()
         fence_boundary.reset()
+
+
+def test_a_slot_read_directly_follows_a_class_that_changes_after_the_scan_read_it(epilogue):
+    """The scan reads struct fields and __slots__ straight from the instance while the type is as
+    it was (its version tag): a field the class later hands to a property is read as getattr
+    reads it, so a view the property returns is seen on the step it appears."""
+    class Held(msgspec.Struct):
+        a: object
+        b: object = None
+
+    class Kept:
+        __slots__ = ("a",)
+
+        def __init__(self, a):
+            self.a = a
+
+    for make in (lambda v: Held(v), lambda v: Kept(v)):
+        holder = make(torch.zeros(2))
+        fence_boundary._walk(Data(holder), epilogue)  # the walk meets the types
+        assert verdicts(Data(holder), epilogue) == (True, [], set())  # read from the slot: clean
+        cls = type(holder)
+        view = epilogue.commit_lens_buf[:2]
+        cls.a = property(lambda self: view)  # the class changes: its tag does
+        try:
+            clean, routes, _ = verdicts(Data(holder), epilogue)
+            assert clean is False and routes == ["Data.a.a <- DsparkVerifyEpilogue.commit_lens_buf"], routes
+        finally:
+            del cls.a
+
+
+def test_an_epilogue_struct_whose_class_changes_is_walked_again(epilogue):
+    """The epilogue's own memory read through a struct's slots: once the struct's class routes a
+    field elsewhere, the map no longer holds (the scan is unsure), and the walk copies a view of
+    what the field now reads."""
+    from sglang.srt.speculative.dspark_components.dspark_verify import StaticVerifyIO
+
+    class Served(StaticVerifyIO):
+        pass
+
+    ids = torch.zeros(8, dtype=torch.int64)
+    epilogue.static_io[4] = Served(candidates=ids[:4].view(1, 4), logits=torch.zeros(4, 2), hidden=torch.zeros(4, 2),
+                                   seq_lens=ids[4:5], req_pool_indices=ids[4:5], out_cache_loc=ids[:4], positions=ids[:4])
+    result = Data(torch.zeros(2))
+    fence_boundary._walk(result, epilogue)
+    assert verdicts(result, epilogue) == (True, [], set())
+    assert verdicts(result, epilogue) == (True, [], set())  # the struct's slots now compared in place
+    replaced = torch.zeros(2, dtype=torch.int64)
+    msgspec.structs.force_setattr(epilogue.static_io[4], "positions", replaced)  # a field rebound: the map no longer holds
+    assert fence_boundary._cache(epilogue)[4](Data(replaced[:1]), epilogue) is False
+    assert fence_boundary._walk(Data(replaced[:1]), epilogue)[1] == ["Data.a <- DsparkVerifyEpilogue.static_io[4].positions"]
+    moved = torch.zeros(3, dtype=torch.int64)
+    Served.seq_lens = property(lambda self: moved)  # the field now reads other memory
+    try:
+        assert fence_boundary._cache(epilogue)[4](Data(moved[:2]), epilogue) is False
+        _, routes = fence_boundary._walk(Data(moved[:2]), epilogue)
+        assert routes == ["Data.a <- DsparkVerifyEpilogue.static_io[4].seq_lens"], routes
+    finally:
+        del Served.seq_lens

@@ -1,4 +1,4 @@
-"""The conservative census (issue 12, part 1): ordinary refactors of the real engine
+"""The conservative census (every reference to a hazard's names): ordinary refactors of the real engine
 modules, each refused with its file and line named, on the imported engine (through
 tests/doctored.py) and through `entrypoint.py doctor --engine` on a doctored source tree."""
 

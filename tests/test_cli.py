@@ -62,6 +62,21 @@ def test_subcommand_help_is_the_packs(capsys, argv):
     assert "--speculative-algorithm" not in text  # none of the engine's 2,793 lines
 
 
+def test_an_adapters_command_is_a_command_of_the_pack(capsys):
+    """`sglang-adapters build-kernel` (folded_fence's): listed in the help, handed its own
+    arguments, its statuses the pack's: 64 a usage error, 78 a value not understood."""
+    assert set(cli.adapter_commands()) == {"build-kernel"}
+    assert not {"doctor", "launch", "canary", "version"} & set(cli.adapter_commands())
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert re.search(r"^    build-kernel +compile the fence's kernel library", capsys.readouterr().out, re.M)
+    assert cli.main(["build-kernel", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: sglang-adapters build-kernel ")
+    assert cli.main(["build-kernel", "--no-such-option"]) == cli.EXIT_USAGE
+    assert cli.main(["build-kernel", "--allow-clones", "yes"]) == cli.EXIT_FLAGS
+    assert "--allow-clones (ALLOW_CLONE_FENCE) must be 0 or 1, not 'yes' (exit 78)" in capsys.readouterr().err
+
+
 def test_version_names_the_pack_and_the_engine(capsys):
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     with pytest.raises(SystemExit):
@@ -239,6 +254,13 @@ def test_the_schema_is_a_schema_and_its_check_can_fail():
     assert "$.verdict: 'maybe' is not one of ['ok', 'flag-error', 'refused']" in errors
     assert "$.value: True is not of type 'string', 'null'" in schema_errors(
         {"value": True}, SCHEMA["properties"]["adapters"]["items"])
+    # the one-line reasons added after 0.1.0: described, typed, and (additive) not required
+    adapter = SCHEMA["properties"]["adapters"]["items"]
+    for where in (adapter, adapter["properties"]["engine_check"]):
+        assert "short_reason" in where["properties"] and "short_reason" not in where["required"]
+    assert "$.short_reason: 3 is not of type 'string'" in schema_errors({"short_reason": 3}, adapter)
+    assert "$.short_reason: 3 is not of type 'string'" in schema_errors(
+        {"outcome": "applied", "reason": "", "short_reason": 3}, adapter["properties"]["engine_check"])
 
 
 def test_fields_added_within_schema_version_1_validate():
@@ -455,6 +477,8 @@ def test_doctor_without_a_command_says_the_outcomes_hold_for_every_layout():
     assert "deployment: none given (doctor -- COMMAND judges one); the outcomes above hold for every layout" in done.stdout
     report = json.loads(run_cli("doctor", "--json").stdout)
     assert report["deployment"] is None and schema_errors(report, SCHEMA) == []
+    for adapter in report["adapters"]:
+        assert adapter["short_reason"] and adapter["engine_check"]["short_reason"]
 
 
 @pytest.mark.parametrize("command,why", [

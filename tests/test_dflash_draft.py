@@ -1,4 +1,4 @@
-"""The pack's own site 31:pack-dflash-draft-greedy (issue 23, part 1): DFlash's greedy draft
+"""The pack's own site 31:pack-dflash-draft-greedy: DFlash's greedy draft
 proposal broadcast from rank 0 where it is rank-local (adapter/rank0_broadcast/dflash_draft.py).
 
 - grammar: its own token (slug or number), never a preset, never one of the engine's;
@@ -25,7 +25,7 @@ from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.flags import FlagError
 from sglang_dsv41_adapters.rank0_broadcast import dflash_draft as d
-from sglang_dsv41_adapters.spectpsync import sites
+from sglang_dsv41_adapters.spectpsync import engine_class, sites
 from sglang_dsv41_adapters.tp_divergence import divergence
 
 SITE = sites.Site.PACK_DFLASH_DRAFT_GREEDY
@@ -74,7 +74,7 @@ def test_never_one_of_the_engines_numbers_or_slugs():
 def test_collision_refused(monkeypatch):
     from sglang.srt.speculative import spec_tp_sync
 
-    drift = Drift(r.upstream_sync.MODULE, "    DSPARK_DRAFT = 17\n", "    DSPARK_DRAFT = 17\n    DFLASH_DRAFT = 31\n",
+    drift = Drift(engine_class.MODULE, "    DSPARK_DRAFT = 17\n", "    DSPARK_DRAFT = 17\n    DFLASH_DRAFT = 31\n",
                   "SpecTpSyncSite.DFLASH_DRAFT")
     assert "DSPARK_DRAFT = 17" in pathlib.Path(spec_tp_sync.__file__).read_text()
     outcome = runtime.decide({r.FLAG: "all"}, drift.engine(), names=(r.NAME,)).outcomes[0]
@@ -154,10 +154,10 @@ def test_every_release_patches_the_paths_it_has(release):
 
 
 def test_only_the_pack_site_on_0523_hands_none(monkeypatch):
-    monkeypatch.delenv(r.upstream_sync.ENGINE_FLAG, raising=False)
+    monkeypatch.delenv(engine_class.ENGINE_FLAG, raising=False)
     decision = runtime.decide({r.FLAG: "pack-dflash-draft-greedy"}, names=(r.NAME,))
     assert decision.outcomes[0].state == runtime.APPLIED
-    assert decision.plans[r.NAME].env == {r.upstream_sync.ENGINE_FLAG: "none"}
+    assert decision.plans[r.NAME].env == {engine_class.ENGINE_FLAG: "none"}
     assert [p.where for p in decision.plans[r.NAME].patches] == ["DFlashWorkerV2.__init__"] + WHERE["0.5.23"]
 
 
@@ -181,7 +181,7 @@ DOCTORED = [  # (module, old, new, symbol named in the refusal)
 
 @pytest.mark.parametrize("module,old,new,symbol", DOCTORED, ids=[c[3] for c in DOCTORED])
 def test_refused_on_doctored_0523(module, old, new, symbol, monkeypatch):
-    monkeypatch.delenv(r.upstream_sync.ENGINE_FLAG, raising=False)
+    monkeypatch.delenv(engine_class.ENGINE_FLAG, raising=False)
     drift = Drift(module, old, new, f"{module}:{symbol}")
     outcome = runtime.decide({r.FLAG: "pack-dflash-draft-greedy"}, drift.engine(), names=(r.NAME,)).outcomes[0]
     assert outcome.state == runtime.REFUSED, outcome.reason
@@ -198,7 +198,7 @@ def test_group_on_0523_is_the_one_the_engines_spec_tp_sync_was_built_over(monkey
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync
     from sglang_dsv41_adapters.spectpsync import broadcast as pack
 
-    monkeypatch.delenv(r.upstream_sync.ENGINE_FLAG, raising=False)
+    monkeypatch.delenv(engine_class.ENGINE_FLAG, raising=False)
     decision = runtime.decide({r.FLAG: "pack-dflash-draft-greedy"}, names=(r.NAME,))
     (recorder,) = [p.wrapper for p in decision.plans[r.NAME].patches if p.where == "DFlashWorkerV2.__init__"]
     group, worker = types.SimpleNamespace(world_size=2, rank_in_group=1), types.SimpleNamespace()

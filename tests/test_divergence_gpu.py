@@ -7,15 +7,15 @@ A single process, a world of one: the TP group is a stand-in for rank 1's, whose
 sets before each replay (a device op, no host sync). So a replay diverges exactly when the
 skew is nonzero, by exactly the elements it covers. The counters are read only after
 the replays; the replay loop runs under torch.cuda.set_sync_debug_mode("error"), so any
-host synchronisation there raises. The real TP2 run over NCCL is issue 16's.
+host synchronisation there raises. The real TP2 run over NCCL is tests/test_tp_nccl.py's.
 
-Issue 26: with the kernel library (SGLANG_ADAPTERS_SNAPSHOT_KERNEL, built by
+With the kernel library (SGLANG_ADAPTERS_SNAPSHOT_KERNEL, built by
 bench/gpu/divergence.sh) the pack's broadcast packs several tensors into one block with one
 launch and the report compares with one fused launch per site call; the counts equal the
 torch ops' (the library switched off) inside and outside graphs, and the block keeps every
 field's values, dtype and shape.
 
-Issue 23: with DSV41_TP_DIVERGENCE=abort, eager calls start a read every call and look at
+With DSV41_TP_DIVERGENCE=abort, eager calls start a read every call and look at
 the landed one without waiting (sync debug mode "error"), and stop at the diverging call or
 a later one once the copy lands; captured replays never stop (no Python runs), the next eager
 calls do, naming the replay's call and both values recorded on the device.
@@ -253,7 +253,7 @@ def test_first_call_inside_capture_is_refused():
             divergence.observe(int(Site.DSPARK_ACCEPT_GRAPH), "dspark-accept-graph", [values.clone()], [values], 8)
 
 
-# --- issue 26: the kernel library's block and fused comparison ------------------------------
+# --- the kernel library's block and fused comparison (one launch each) ---------------------
 
 # A kernel file named by the environment must serve (the scripts build it and name it); the
 # default path is used where it is there.
@@ -264,7 +264,7 @@ needs_kernel = pytest.mark.skipif(
 
 
 def paths(kernel: bool) -> None:
-    """Both of issue 26's paths on (the library) or off (concatenation, torch ops)."""
+    """Both paths: the kernel library's on, or off (concatenation, torch ops)."""
     from sglang_dsv41_adapters.spectpsync import broadcast as b
 
     b.use_kernel(kernel)
@@ -408,7 +408,7 @@ def test_fused_counts_equal_the_torch_ops_counts_in_graphs_and_eagerly():
     assert got == {key: expected for key in got}, got
 
 
-# --- issue 23: DSV41_TP_DIVERGENCE=abort -----------------------------------------------------
+# --- DSV41_TP_DIVERGENCE=abort: stop at the first diverging call ----------------------------
 
 @pytest.fixture
 def abort_on(monkeypatch):

@@ -15,6 +15,7 @@ from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from harness.engines import ROOT, release_sources
 
 sys.path.insert(0, str(ROOT / "tools"))
+import doctor_sample  # noqa: E402
 import release_table  # noqa: E402
 
 README = (ROOT / "README.md").read_text()
@@ -37,6 +38,19 @@ def test_release_tables_are_generated_from_the_matrix():
     assert changed != matrix and release_table.table(changed) != want
     assert "| 0.5.23 | `DSV41_SPEC_TP_SYNC`, `DSV41_GROUP_MIN_MEM` | `DSV41_KNOWN_BAD_CONFIG` | `DSV41_FOLDED_FENCE` | - |" \
         in release_table.table(changed)
+
+
+def test_the_doctor_samples_are_doctors_output():
+    """The README's doctor section shows the default report of the recipe's deployment with every flag on, and
+    links the --verbose one (docs/doctor.md): both what doctor prints for it today, and the check can fail."""
+    section = README[README.index("\n## doctor\n"):README.index("\n## Compatibility matrix\n")]
+    assert doctor_sample.BEGIN in section and "[docs/doctor.md](docs/doctor.md)" in section and "--verbose" in section
+    assert doctor_sample.main(["--check"]) == 0
+    short = doctor_sample.BLOCK.search(section)[1]
+    assert "  outcome: " not in short and "folded_fence: applied - fenced " in short
+    verbose = doctor_sample.BLOCK.search((ROOT / "docs" / "doctor.md").read_text())[1]
+    assert "\nfolded_fence: detach DSpark" in verbose and "\n  outcome: fenced TargetVerifyExecutor" in verbose
+    assert doctor_sample.stale(ROOT / "README.md", short.replace("applied - fenced", "applied - patched"))
 
 
 def test_the_0_5_16_claim_holds_on_its_sources():

@@ -1,5 +1,6 @@
-"""Issue 26 on the CPU: which path packs a site's tensors and which compares them for the
-divergence report, told by the host-side logic the GPU runs through.
+"""The eager decode path's kernel library calls, on the CPU: which path packs a site's tensors
+and which compares them for the divergence report, told by the host-side logic the GPU runs
+through.
 
 The kernel library's CUDA code cannot run here (tests/test_snapshot_kernel.py loads a real
 build and checks that it declines CPU tensors; tests/test_divergence_gpu.py and

@@ -13,8 +13,9 @@ collectives. The adapter makes each probe return the group minimum.
   shown to reach the capture group for the deployment (a known topology whose batch group
   has more than one rank); applied by the pack (SpecTpSync.available_memory_gb made the
   group minimum) where it is not: DP attention with attention-TP 1, or the deployment
-  unknown (issue 22); refused when SGLANG_SPEC_TP_SYNC (the user's, or what
-  DSV41_SPEC_TP_SYNC hands over) drops the memory sites, refused on doctored consumers.
+  unknown (a SpecTpSync over one rank keeps no site, so its probe stays per rank); refused
+  when SGLANG_SPEC_TP_SYNC (the user's, or what DSV41_SPEC_TP_SYNC hands over) drops the
+  memory sites, refused on doctored consumers.
   On real gloo ranks with 0.5.23's own SpecTpSync, GroupCoordinators and the workers'
   init_cuda_graphs: a one-rank attention-TP group inside a larger capture group, unequal
   free memory: the ranks' capture decisions differ unpatched and agree with the pack.
@@ -32,7 +33,7 @@ import pytest
 
 from sglang_dsv41_adapters import group_min_memory as gm
 from sglang_dsv41_adapters.framework import patching, runtime
-from sglang_dsv41_adapters.spectpsync import upstream_sync
+from sglang_dsv41_adapters.spectpsync import engine_class, groups_proof
 from sglang_dsv41_adapters.framework.flags import FlagError
 from sglang_dsv41_adapters.framework.topology import REPRESENTATIVE
 from tests import mem_cases
@@ -44,7 +45,7 @@ from harness import zygote
 
 ON = {gm.FLAG: "1"}
 ONLY = (gm.NAME,)
-ENGINE_FLAG = upstream_sync.ENGINE_FLAG  # SGLANG_SPEC_TP_SYNC
+ENGINE_FLAG = engine_class.ENGINE_FLAG  # SGLANG_SPEC_TP_SYNC
 
 
 TP4, DP4, DP2 = REPRESENTATIVE["tp"], REPRESENTATIVE["dp-attention-tp1"], REPRESENTATIVE["dp-attention-tp2"]
@@ -232,7 +233,7 @@ def test_0_5_18_drift_refused(on_0_5_18, case):
 
 # ---------------------------------------------------------------- 0.5.23: superseded / refused
 
-CONSUMERS = [name for name, _ in gm.TARGETS if name != upstream_sync.MODULE]
+CONSUMERS = [name for name, _ in gm.TARGETS if name != engine_class.MODULE]
 
 
 @pytest.fixture
@@ -276,7 +277,7 @@ def test_0_5_23_by_topology(no_engine_switch, topology, state):
     decision = runtime.decide(ON, names=ONLY, topology=topology)
     outcome = decision.outcomes[0]
     assert outcome.state == state, outcome.reason
-    assert upstream_sync.judged_for(topology) in outcome.reason
+    assert groups_proof.judged_for(topology) in outcome.reason
     runtime.apply(decision)
     if state == runtime.APPLIED:
         assert [(s.owner, s.name) for s in patching.applied()] == [(SpecTpSync, "available_memory_gb")]
@@ -368,7 +369,7 @@ def test_0_5_23_selector_off_keeps_the_users_engine_switch(monkeypatch):
 
 
 DRIFT_0_5_23 = [
-    Drift(upstream_sync.MODULE, "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, *, group):",
+    Drift(engine_class.MODULE, "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, *, group):",
           "def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, group):", gm.UPSTREAM_PROBE),
     Drift(gm.DSPARK_WORKER, "            SpecTpSyncSite.DSPARK_MEM,\n", "            SpecTpSyncSite.DSPARK_PLAN,\n",
           "DSparkWorkerV2.init_cuda_graphs"),
@@ -388,15 +389,15 @@ def test_0_5_23_drift_refused(drift):
 def test_0_5_23_probe_not_shown_is_applied_by_the_pack():
     """The engine's probe no longer reduces over the group it is given: the pack's own group
     minimum takes its place, naming what was not shown."""
-    drift = Drift(upstream_sync.MODULE, "            cpu_group=group.cpu_group if distributed else None,\n", "",
+    drift = Drift(engine_class.MODULE, "            cpu_group=group.cpu_group if distributed else None,\n", "",
                   gm.UPSTREAM_PROBE)
     outcome = runtime.decide(ON, drift.engine(), names=ONLY, topology=TP4).outcomes[0]
     assert outcome.state == runtime.APPLIED, outcome.reason
-    assert f"({upstream_sync.MODULE}:SpecTpSync.available_memory_gb: run against its own code" in outcome.reason
+    assert f"({engine_class.MODULE}:SpecTpSync.available_memory_gb: run against its own code" in outcome.reason
     assert "not once over the group it was given" in outcome.reason
 
 
-# ---------------------------------------------------------------- 0.5.23: ranks (issue 22)
+# ---------------------------------------------------------------- 0.5.23: ranks (SpecTpSync over one rank)
 
 FREES = [0.6, 8.0]  # rank 0 below the 1 GB capture gate, rank 1 well above
 

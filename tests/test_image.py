@@ -371,7 +371,9 @@ def test_a_bad_flag_value_stops_the_launch_before_the_engine(image, bad):
 # The RUN that builds the snapshot kernel, run as docker runs it: the Dockerfile's SHELL, its
 # ARGs (defaults, overridden like --build-arg) and ENVs in the environment, in the image's
 # Python. CUDA_HOME pointing nowhere makes the build fail as on a base image without nvcc.
-KERNEL_STEP = "sglang_dsv41_adapters.folded_fence.accept_snapshot build"
+KERNEL_STEP = "sglang-adapters build-kernel"
+# What Python's runpy prints when a package's module is run with -m after its package imported it.
+RUNPY_WARNING = re.compile(r"RuntimeWarning|found in sys\.modules")
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -383,11 +385,12 @@ def kernel_build_step() -> str:
     return step
 
 
-def run_kernel_step(image: Image, kernel: Path, build_args: dict[str, str], env: dict[str, str]):
+def run_kernel_step(image: Image, kernel: Path, build_args: dict[str, str], env: dict[str, str], timeout: float = 200):
     args = {k: v.strip('"') for k, v in dockerfile_args().items()} | build_args
     environ = args | dockerfile_env() | {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)} | env
     done = subprocess.run(dockerfile_value("SHELL") + [kernel_build_step()], cwd=image.workdir,
-                          env=image.env(environ), capture_output=True, text=True, timeout=200)
+                          env=image.env(environ), capture_output=True, text=True, timeout=timeout)
+    assert not RUNPY_WARNING.search(done.stderr), done.stderr  # the build log holds no warning of the pack's own
     return done
 
 
@@ -400,7 +403,7 @@ def test_the_kernel_step_builds_what_the_ranks_load():
     # The file the build writes is the one every rank loads (the ENV is the image's environment).
     assert env[accept_snapshot.PATH_ENV] == accept_snapshot.DEFAULT_PATH
     assert '--archs "${SNAPSHOT_KERNEL_ARCHS}"' in step and '--allow-clones "${ALLOW_CLONE_FENCE}"' in step
-    assert step.startswith("python3 -P -m ") and step.endswith("&& sglang-adapters doctor --strict")
+    assert step.startswith(f"{KERNEL_STEP} ") and step.endswith("&& sglang-adapters doctor --strict")
     labels = " ".join(a for i, a in dockerfile_instructions() if i == "LABEL")
     assert '.clone-fence-allowed="${ALLOW_CLONE_FENCE}"' in labels
     assert "TORCH_EXTENSIONS_DIR" not in DOCKERFILE.read_text(), "no JIT cache at run time"
@@ -427,10 +430,11 @@ def test_a_failed_kernel_build_fails_the_image(image, tmp_path, allow):
     done = run_kernel_step(image, kernel, {"ALLOW_CLONE_FENCE": allow}, {"CUDA_HOME": str(tmp_path / "no-cuda")})
     assert done.returncode != 0, done.stdout + done.stderr
     if allow == "0":
+        assert done.returncode == 1
         assert "the kernel did not build or load: RuntimeError: no CUDA compiler" in done.stderr, done.stderr
         assert "ALLOW_CLONE_FENCE=1" in done.stderr
     else:
-        assert "must be 0 or 1, not 'yes'" in done.stderr, done.stderr
+        assert done.returncode == 78 and "must be 0 or 1, not 'yes'" in done.stderr, done.stderr
     assert not kernel.exists() and "sglang-adapters doctor" not in done.stdout
 
 
@@ -444,6 +448,38 @@ def test_allow_clone_fence_ships_the_image_without_the_kernel(image, tmp_path):
     code = "from sglang_dsv41_adapters.folded_fence import accept_snapshot as a; print(a._probe(a.kernel_path(), (9, 0))[0])"
     probe = image.run(["python", "-c", code], {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)})
     assert probe.stdout.strip() == str(("clones", f"kernel not built ({kernel} missing)")), probe.stderr
+
+
+def test_the_wheel_ships_the_kernel_sources(image):
+    """The installed pack compiles the sources it carries, the checkout's byte for byte (a kernel
+    file built from either loads in the other)."""
+    from sglang_dsv41_adapters.folded_fence import accept_snapshot
+
+    code = ("from sglang_dsv41_adapters.folded_fence import accept_snapshot as a; "
+            "print(a.KERNELS); print(sorted(p.name for p in a.KERNELS.iterdir())); print(a.SOURCE_HASH)")
+    done = image.run(["python", "-P", "-c", code])
+    assert done.returncode == 0, done.stderr
+    folder, names, digest = done.stdout.splitlines()
+    assert Path(folder).is_relative_to(image.venv), folder
+    assert (names, digest) == (str(sorted(accept_snapshot.SOURCES)), accept_snapshot.SOURCE_HASH)
+
+
+@pytest.mark.timeout(480)
+def test_the_kernel_step_compiles_the_installed_sources_and_warns_of_nothing(image, tmp_path):
+    """The Dockerfile's step as docker runs it, with a CUDA compiler (sm_80 only: the quickest
+    build): the kernel file the ranks load, then doctor; no runpy warning in its log."""
+    from tests.conftest import cuda_home
+
+    home = cuda_home()
+    if home is None:
+        pytest.skip("no CUDA compiler here (set CUDA_HOME): the kernel file cannot be built")
+    kernel = tmp_path / "opt" / "dsv41_accept_snapshot.so"
+    done = run_kernel_step(image, kernel, {"SNAPSHOT_KERNEL_ARCHS": "8.0"}, {"CUDA_HOME": home}, timeout=420)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"build-kernel: built {kernel} for 8.0" in done.stdout and "verdict: ok" in done.stdout
+    code = "from sglang_dsv41_adapters.folded_fence import accept_snapshot as a; print(a._probe(a.kernel_path(), (8, 0))[0])"
+    probe = image.run(["python", "-c", code], {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)})
+    assert probe.stdout.strip() == str(("one-launch", str(kernel))), probe.stderr
 
 
 def test_oci_labels_carry_the_packs_version_source_and_revision():

@@ -21,7 +21,8 @@ ALLOWED = {
     "framework": {"engine", "framework", "<root>"},
     "spectpsync": {"engine", "framework", "spectpsync"},
     "<adapter>": {"engine", "framework", "spectpsync", "<self>"},
-    "cli": {"engine", "framework", "<root>"},
+    "rollout": {"rollout"},  # judges running servers from outside: nothing of the engine or the adapters
+    "cli": {"engine", "framework", "rollout", "<root>"},
     "<root>": {"framework"},
 }
 
@@ -135,6 +136,8 @@ def test_a_wrong_declaration_is_refused_when_it_loads():
         "server_args 'speculative_algorithm' is not a tuple of server argument names": dict(
             server_args="speculative_algorithm"),
         "server_args ('--tp-size',) is not a tuple of server argument names": dict(server_args=("--tp-size",)),
+        "command 'Build_Kernel' is not lower-case words joined by hyphens": dict(commands={"Build_Kernel": good.commands["build-kernel"]}),
+        "command 'build' does not take (argv) with a docstring for its help": dict(commands={"build": lambda: 0}),
     }
     for problem, change in cases.items():
         with pytest.raises(surfaces.SurfaceError, match=problem.replace("(", r"\(").replace(")", r"\)")):
@@ -143,12 +146,16 @@ def test_a_wrong_declaration_is_refused_when_it_loads():
         surfaces.validate(good, "other", ADAPTERS)
 
 
-def test_the_wheel_ships_every_package_of_the_pack():
-    """pyproject.toml lists the packages (its package-dir maps the installed name onto adapter/,
-    which setuptools' discovery does not follow): a folder left out would install without it."""
+def test_every_package_folder_is_in_the_distribution():
+    """pyproject.toml lists the packages one by one: a folder left out would be missing from the wheel and the image.
+    A folder of data only (the kernel's sources) is listed with the files it ships (package-data), every one of them."""
     import tomllib
 
-    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    folders = {TOP + "".join(f".{part}" for part in path.parent.relative_to(PACKAGE).parts)
-               for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
-    assert folders == listed
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join([TOP, *path.parent.relative_to(PACKAGE).parts]) for path in PACKAGE.rglob("*.py")}
+    data = setuptools.get("package-data", {})
+    assert sorted(folders | set(data)) == sorted(setuptools["packages"])
+    for package, patterns in data.items():
+        folder = PACKAGE.joinpath(*package.split(".")[1:])
+        shipped = {path for pattern in patterns for path in folder.glob(pattern)}
+        assert shipped and shipped == set(folder.iterdir()), package

@@ -26,7 +26,7 @@ from sglang_dsv41_adapters.engine.contract import Contract
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.topology import Topology
-from sglang_dsv41_adapters.spectpsync import upstream_sync
+from sglang_dsv41_adapters.spectpsync import engine_class, selected_sites
 from tests.agreement_cases import combos
 from tests.next_release_cases import row as as_row
 
@@ -150,9 +150,9 @@ def test_the_hand_over_keeps_the_engines_own_selection(judged, trees, name, flag
         row = case(judged, name, {"DSV41_SPEC_TP_SYNC": flag}, (4, 1), side)
         assert row["env"]["rank0_broadcast"] == {"SGLANG_SPEC_TP_SYNC": handed}, (side, row["reasons"])
     engine = SourceEngine(trees[name])
-    contract = Contract("rank0_broadcast", engine.module(upstream_sync.MODULE))
+    contract = Contract("rank0_broadcast", engine.module(engine_class.MODULE))
     number = int(NEW_SITE[name].split(":")[0])
-    kept = number in upstream_sync.selection(contract, handed)
+    kept = number in selected_sites.selection(contract, handed)
     assert kept == (flag in ("all", "all,-dspark-plan")), handed
     if kept:
         reason = case(judged, name, {"DSV41_SPEC_TP_SYNC": flag}, (4, 1))["reasons"]["rank0_broadcast"]

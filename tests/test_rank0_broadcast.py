@@ -10,7 +10,7 @@ import pytest
 
 from sglang_dsv41_adapters import rank0_broadcast as r
 from sglang_dsv41_adapters.framework import runtime
-from sglang_dsv41_adapters.spectpsync import sites
+from sglang_dsv41_adapters.spectpsync import engine_class, sites
 from sglang_dsv41_adapters.framework.flags import FlagError
 from harness.doctored import Drift
 from harness.ranks import run_ranks
@@ -115,7 +115,7 @@ def test_off_words_switch_the_adapter_off_and_hand_nothing_over(value, clean_env
     decision = runtime.decide({r.FLAG: value})
     assert decision.outcomes[1].state == runtime.OFF and not decision.refused
     runtime.apply(decision)
-    assert r.upstream_sync.ENGINE_FLAG not in os.environ
+    assert engine_class.ENGINE_FLAG not in os.environ
 
 
 # --- 0.5.18: every CPU site on real gloo groups --------------------------------------
@@ -201,21 +201,21 @@ def test_refused_on_doctored_0518(two_ranks):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    monkeypatch.delenv(r.upstream_sync.ENGINE_FLAG, raising=False)
+    monkeypatch.delenv(engine_class.ENGINE_FLAG, raising=False)
     yield
     runtime.revert()
-    assert r.upstream_sync.ENGINE_FLAG not in os.environ
+    assert engine_class.ENGINE_FLAG not in os.environ
 
 
 def _engine_sites(value):
     """The sites the real 0.5.23 SpecTpSync runs with, given SGLANG_SPEC_TP_SYNC."""
     from sglang.srt.speculative.spec_tp_sync import SpecTpSync
 
-    os.environ[r.upstream_sync.ENGINE_FLAG] = value
+    os.environ[engine_class.ENGINE_FLAG] = value
     try:
         return {int(s) for s in SpecTpSync(types.SimpleNamespace(world_size=2, rank_in_group=1))._sites}
     finally:
-        del os.environ[r.upstream_sync.ENGINE_FLAG]
+        del os.environ[engine_class.ENGINE_FLAG]
 
 
 def test_superseded_hands_over(clean_env):
@@ -223,28 +223,28 @@ def test_superseded_hands_over(clean_env):
     outcome = decision.outcomes[0]
     assert outcome.state == runtime.SUPERSEDED
     assert "sglang.srt.speculative.spec_tp_sync.SpecTpSync" in outcome.reason
-    assert r.upstream_sync.ENGINE_FLAG not in os.environ  # deciding writes nothing
+    assert engine_class.ENGINE_FLAG not in os.environ  # deciding writes nothing
     runtime.apply(decision)
-    value = os.environ[r.upstream_sync.ENGINE_FLAG]
-    del os.environ[r.upstream_sync.ENGINE_FLAG]
+    value = os.environ[engine_class.ENGINE_FLAG]
+    del os.environ[engine_class.ENGINE_FLAG]
     assert _engine_sites(value) == {int(s) for s in sites.parse_value("all,-dspark-plan,-3")}
 
 
 def test_superseded_agree_and_disagree(clean_env):
-    same = {r.FLAG: "dspark-draft,8", r.upstream_sync.ENGINE_FLAG: "17,dspark_accept_greedy"}
+    same = {r.FLAG: "dspark-draft,8", engine_class.ENGINE_FLAG: "17,dspark_accept_greedy"}
     decision = runtime.decide(same, names=(r.NAME,))
     assert decision.outcomes[0].state == runtime.SUPERSEDED and decision.plans[r.NAME].env == {}
     for theirs in ("all", "rng", "8"):
-        outcome = decide({r.FLAG: "dspark-draft,8", r.upstream_sync.ENGINE_FLAG: theirs})
-        assert outcome.state == runtime.REFUSED and r.upstream_sync.ENGINE_FLAG in outcome.reason, theirs
-    outcome = decide({r.FLAG: "all", r.upstream_sync.ENGINE_FLAG: "bogus"})
+        outcome = decide({r.FLAG: "dspark-draft,8", engine_class.ENGINE_FLAG: theirs})
+        assert outcome.state == runtime.REFUSED and engine_class.ENGINE_FLAG in outcome.reason, theirs
+    outcome = decide({r.FLAG: "all", engine_class.ENGINE_FLAG: "bogus"})
     assert outcome.state == runtime.REFUSED and "bogus" in outcome.reason
 
 
 def test_nothing_is_patched_on_0523(clean_env):
     decision = runtime.decide({r.FLAG: "all"}, names=(r.NAME,))
     assert decision.plans[r.NAME].patches == []
-    assert list(decision.plans[r.NAME].env) == [r.upstream_sync.ENGINE_FLAG]
+    assert list(decision.plans[r.NAME].env) == [engine_class.ENGINE_FLAG]
 
 
 @pytest.mark.parametrize("old,new,symbol", [
@@ -254,7 +254,7 @@ def test_nothing_is_patched_on_0523(clean_env):
 ])
 def test_refused_on_doctored_0523(clean_env, old, new, symbol):
     # parse_spec_tp_sync is relied on only to compare a value the user set themselves.
-    drift = Drift(r.upstream_sync.MODULE, old, new, f"{r.upstream_sync.MODULE}:{symbol}")
-    outcome = runtime.decide({r.FLAG: "all", r.upstream_sync.ENGINE_FLAG: "all"}, drift.engine(), names=(r.NAME,)).outcomes[0]
+    drift = Drift(engine_class.MODULE, old, new, f"{engine_class.MODULE}:{symbol}")
+    outcome = runtime.decide({r.FLAG: "all", engine_class.ENGINE_FLAG: "all"}, drift.engine(), names=(r.NAME,)).outcomes[0]
     assert outcome.state == runtime.REFUSED
     assert drift.symbol in outcome.reason

@@ -3,7 +3,7 @@
 No GPU here, so `copy_mode()` itself says "no CUDA"; the loader's decision for a GPU is tested
 through `_probe(path, capability)` with the capability such a GPU reports. Where a CUDA compiler
 is found (CUDA_HOME, else /usr/local/cuda), a real kernel file is built once for sm_80 with the
-command the image build runs (`python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build`) and loaded by path.
+command the image build runs (`sglang-adapters build-kernel`) and loaded by path.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import shutil
+
 import msgspec
 import pytest
 import torch
 
 from sglang_dsv41_adapters.folded_fence import accept_snapshot
-from tests.conftest import cli  # the `sm80` fixture (a real kernel file) is shared from conftest too
+from tests.conftest import build_kernel, cuda_home  # the `sm80` fixture (a real kernel file) is shared from conftest too
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -86,9 +88,59 @@ def test_an_arch_list_the_loader_could_not_check_is_refused(archs):
 
 
 def test_the_build_command_fails_on_it_and_writes_nothing(tmp_path):
-    done = cli("build", "--archs", "sm_90", "--out", str(tmp_path / "k.so"))
-    assert done.returncode == 1 and "ValueError: --archs 'sm_90'" in done.stderr, done.stderr
+    """A build argument not understood is bad configuration (78), whatever --allow-clones says."""
+    for allow in ("0", "1"):
+        done = build_kernel("--archs", "sm_90", "--out", str(tmp_path / "k.so"), "--allow-clones", allow)
+        assert done.returncode == 78 and "build-kernel: --archs 'sm_90': expected entries" in done.stderr, done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the sources: files of the package, hashed byte for byte ---------------------------------
+
+def test_the_sources_are_the_packages_files_and_every_byte_keys_the_build(tmp_path):
+    assert sorted(p.name for p in accept_snapshot.KERNELS.iterdir()) == sorted(accept_snapshot.SOURCES)
+    assert accept_snapshot.SOURCE_HASH == accept_snapshot.source_hash(accept_snapshot.KERNELS)
+    copy = tmp_path / "kernels"
+    shutil.copytree(accept_snapshot.KERNELS, copy)
+    assert accept_snapshot.source_hash(copy) == accept_snapshot.SOURCE_HASH
+    for name in accept_snapshot.SOURCES:
+        original = (copy / name).read_bytes()
+        (copy / name).write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit of its last byte
+        assert accept_snapshot.source_hash(copy) != accept_snapshot.SOURCE_HASH, name
+        (copy / name).write_bytes(original)
+    # A byte moved from one file to the other: the same bytes in all, other sources.
+    cu, cpp = (copy / name for name in accept_snapshot.SOURCES)
+    cu.write_bytes(cu.read_bytes() + cpp.read_bytes()[:1])
+    cpp.write_bytes(cpp.read_bytes()[1:])
+    assert accept_snapshot.source_hash(copy) != accept_snapshot.SOURCE_HASH
+
+
+def test_the_old_module_command_fails_and_says_where_it_went():
+    done = subprocess.run([sys.executable, "-P", "-m", "sglang_dsv41_adapters.folded_fence.accept_snapshot", "build"],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "run `sglang-adapters build-kernel`" in done.stderr, done.stderr
+
+
+def test_a_compile_error_names_the_source_file_and_line(tmp_path):
+    """The compiler reads the package's own files: its message names the file and the line,
+    and nothing is written."""
+    home = cuda_home()
+    if home is None:
+        pytest.skip("no CUDA compiler here (set CUDA_HOME): the kernel file cannot be built")
+    pack = tmp_path / "sglang_dsv41_adapters"
+    shutil.copytree(ROOT / "adapter", pack, ignore=shutil.ignore_patterns("__pycache__"))
+    host = pack / "folded_fence" / "kernels" / accept_snapshot.SOURCES[1]
+    lines = host.read_text().splitlines(keepends=True)
+    broken = next(i for i, line in enumerate(lines) if line.startswith("namespace {")) + 2
+    lines[broken - 1] = "  not_a_type broken_here;\n"
+    host.write_text("".join(lines))
+    out = tmp_path / "opt" / "k.so"
+    done = build_kernel("--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home}, root=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr[-4000:]
+    assert "build-kernel: the kernel did not build or load: RuntimeError: Error building extension" in done.stderr
+    assert f"{host}:{broken}:3: error: " in done.stderr and "not_a_type" in done.stderr, done.stderr[-4000:]
+    assert not out.exists() and not list(out.parent.glob("*"))
 
 
 # --- detach: the struct is rebuilt with keywords -------------------------------------------
@@ -215,7 +267,7 @@ def test_the_applied_line_and_doctor_say_which_copy(monkeypatch):
     assert runtime.decide({}, names=(folded_fence.NAME,)).lines()[0].endswith("OFF - DSV41_FOLDED_FENCE is off (sglang 0.5.23)")
 
 
-# --- issue 26: the broadcast's block and the divergence report's comparison -------------------
+# --- the broadcast's block and the divergence report's comparison (one launch each) ----------
 
 def test_the_library_packs_and_compares_cuda_values_only(sm80):
     """Its pack and count_divergence are bound; on CPU values they decline, launching nothing,

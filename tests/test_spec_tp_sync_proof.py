@@ -1,5 +1,6 @@
-"""SUPERSEDED is a proof (issue 21.4): the engine's own SpecTpSync (sglang 0.5.19+) is judged
-from its source, the same way for the installed engine and a release read from its sources.
+"""SUPERSEDED is a proof (the pack stands aside only where the engine is shown to do the job):
+the engine's own SpecTpSync (sglang 0.5.19+) is judged from its source, the same way for the
+installed engine and a release read from its sources.
 
 - The real releases 0.5.19 - 0.5.23 (sources) and the installed 0.5.23: the proof holds, and
   each reason names what was shown and the server arguments it was judged for.
@@ -27,7 +28,7 @@ import pytest
 from sglang_dsv41_adapters import group_min_memory as gm
 from sglang_dsv41_adapters import rank0_broadcast as r0
 from sglang_dsv41_adapters.framework import runtime
-from sglang_dsv41_adapters.spectpsync import upstream_sync
+from sglang_dsv41_adapters.spectpsync import engine_class, groups_proof, observation
 from sglang_dsv41_adapters import tp_divergence as td
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters.framework.topology import REPRESENTATIVE, Topology
@@ -36,13 +37,13 @@ from harness import next_release
 from harness.engines import release_sources
 
 SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
-SYNC = upstream_sync.MODULE
+SYNC = engine_class.MODULE
 SPEC = "sglang.srt.speculative"
 DSPARK_WORKER = f"{SPEC}.dspark_components.dspark_worker_v2"
 PLANNER = f"{SPEC}.dspark_components.dspark_planner"
 DFLASH_WORKER = f"{SPEC}.dflash_worker_v2"
-PARALLEL_STATE = upstream_sync.PARALLEL_STATE
-COMMON = upstream_sync.HELPER_HOME
+PARALLEL_STATE = engine_class.PARALLEL_STATE
+COMMON = engine_class.HELPER_HOME
 TP4, DP4, DP2 = REPRESENTATIVE["tp"], REPRESENTATIVE["dp-attention-tp1"], REPRESENTATIVE["dp-attention-tp2"]
 ON = {r0.NAME: {r0.FLAG: "all"}, gm.NAME: {gm.FLAG: "1"}, td.NAME: {td.FLAG: "1"}}
 # What a copy of the sources needs besides the speculative package (the proof's own modules).
@@ -60,7 +61,7 @@ MINIMAX = "sglang.srt.arg_groups.model_overrides.minimax_m3"
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    monkeypatch.delenv(upstream_sync.ENGINE_FLAG, raising=False)
+    monkeypatch.delenv(engine_class.ENGINE_FLAG, raising=False)
     yield
     runtime.revert()
 
@@ -109,7 +110,7 @@ def test_real_releases_by_topology(name, engine):
                             (Topology(1), runtime.SUPERSEDED)):
         memory = outcome(gm.NAME, engine, topology)
         assert memory.state == state, (topology, memory.reason)
-        assert upstream_sync.judged_for(topology) in memory.reason
+        assert groups_proof.judged_for(topology) in memory.reason
     applied = outcome(gm.NAME, engine, DP4)
     assert "sgl-project/sglang#39954" in applied.reason and "group of one rank there" in applied.reason
     assert "server arguments unknown" in outcome(gm.NAME, engine, None).reason
@@ -326,10 +327,10 @@ def test_the_probe_leaves_the_process_as_it_was(monkeypatch):
     """Judging the installed class runs it against its own code: os.environ and the class's
     attributes are the same afterwards, and nothing is printed."""
     sync = importlib.import_module(SYNC)
-    monkeypatch.setenv(upstream_sync.ENGINE_FLAG, "all,-dspark-plan")
+    monkeypatch.setenv(engine_class.ENGINE_FLAG, "all,-dspark-plan")
     before, attrs = dict(os.environ), dict(vars(sync.SpecTpSync))
-    upstream_sync.reset()
-    reason = runtime.decide({td.FLAG: "1", upstream_sync.ENGINE_FLAG: "all,-dspark-plan"}, names=(td.NAME,),
+    observation.reset()
+    reason = runtime.decide({td.FLAG: "1", engine_class.ENGINE_FLAG: "all,-dspark-plan"}, names=(td.NAME,),
                             topology=TP4).outcomes[0].reason
     assert "off: 7:dspark-plan" in reason
     assert dict(os.environ) == before and dict(vars(sync.SpecTpSync)) == attrs
@@ -362,8 +363,8 @@ def test_a_probe_remembered_holds_the_class_and_methods_it_ran():
     """The class is run once per class, functions and value: remembered by the objects
     themselves (held), not their ids, which another class could take once this one died."""
     sync = importlib.import_module(SYNC)
-    upstream_sync.reset()
+    observation.reset()
     runtime.decide({td.FLAG: "1"}, names=(td.NAME,), topology=TP4)
-    assert upstream_sync._OBSERVED
-    for (module, cls, functions), _ in upstream_sync._OBSERVED:
+    assert observation._OBSERVED
+    for (module, cls, functions), _ in observation._OBSERVED:
         assert module is sync and cls is sync.SpecTpSync and dict(functions)["__init__"] is vars(sync.SpecTpSync)["__init__"]

@@ -1,4 +1,4 @@
-"""Issue 16: broadcast sites over a real multi-process group, inside captured CUDA graphs
+"""Broadcast sites over a real multi-process group, inside captured CUDA graphs
 over NCCL (world = every visible GPU, at least 2), the ranks spawned with
 torch.multiprocessing (tests/tp_nccl_cases.py).
 
@@ -15,13 +15,14 @@ torch.multiprocessing (tests/tp_nccl_cases.py).
    DSV41_SPEC_TP_SYNC=all applied through the runtime or unset: on, no rank ever differs
    from rank 0; off, rank 1's drafts and accept differ in exactly the skewed replays.
 
-4. Issue 22: sglang 0.5.23's own SpecTpSync and DSparkWorkerV2/DFlashWorkerV2.init_cuda_graphs
-   on DP 2 x attention-TP 1 (tests/mem23_cases.py; two of the GPUs): the engine's GroupCoordinators
-   with NCCL device groups, the helper's CUDA branch, rank 0's GPU held down to 0.6 GB free:
-   unpatched the ranks decide differently whether to capture the DSpark draft graph (the test
-   fails if they do not); with DSV41_GROUP_MIN_MEM=1 decided for that topology they agree.
+4. The memory probe where SpecTpSync keeps no site: sglang 0.5.23's own SpecTpSync and
+   DSparkWorkerV2/DFlashWorkerV2.init_cuda_graphs on DP 2 x attention-TP 1
+   (tests/mem23_cases.py; two of the GPUs): the engine's GroupCoordinators with NCCL device
+   groups, the helper's CUDA branch, rank 0's GPU held down to 0.6 GB free: unpatched the
+   ranks decide differently whether to capture the DSpark draft graph (the test fails if they
+   do not); with DSV41_GROUP_MIN_MEM=1 decided for that topology they agree.
 
-5. Issue 23: the pack's own site 31:pack-dflash-draft-greedy (tests/dflash_draft_cases.py) on
+5. The pack's own site 31:pack-dflash-draft-greedy (tests/dflash_draft_cases.py) on
    sglang 0.5.23's own DFlash draft code: `_DominoDraftSampler.__call__` and
    `_SelectorDraftSampler.__call__` captured in CUDA graphs as the engine's draft graph runs them
    (the broadcast recorded inside), the eager plain head without shard_indices, rank 1 skewed in
@@ -94,7 +95,7 @@ REPORTED = ("on_report", "on_report_torch", "on_report_eager", "on_report_torch_
 
 
 def check_pack(ranks, kernel=False):
-    """`kernel`: the library must have served the CUDA variants that use it (issue 26)."""
+    """`kernel`: the library must have served the CUDA variants that use it (one launch each)."""
     k = len(SKEWED)
     for rank, result in enumerate(ranks):
         for variant in ("off", "on", *REPORTED):

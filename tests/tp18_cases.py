@@ -1,4 +1,4 @@
-"""Rank code for tests/test_tp_nccl.py's sglang 0.5.18 case (issue 16, item 1): the engine's
+"""Rank code for tests/test_tp_nccl.py's sglang 0.5.18 case: the engine's
 own graph-folded draft sampling and captured accept, over its own GroupCoordinator, captured
 in one CUDA graph inside the coordinator's graph_capture() context, with the rank-0
 broadcast installed through the runtime (DSV41_SPEC_TP_SYNC=all) or not (flag unset).

@@ -113,7 +113,7 @@ def pack_case(rank, world, nccl, n, skewed):
     source = torch.arange(BS, device=device)
     expected = torch.stack((source, source + 1, source + 2, source)).cpu()
     compared = wrapt.FunctionWrapper(b.broadcast, t.before_0_5_19.compare_broadcast(1000))
-    # name: (broadcast, the kernel library's paths on, captured); issue 26: the library's block
+    # name: (broadcast, the kernel library's paths on, captured): the library's one-launch block
     # and fused comparison against concatenation and torch ops, inside graphs and eagerly
     variants = {"off": (None, True, True), "on": (b.broadcast, True, True), "on_report": (compared, True, True),
                 "on_report_torch": (compared, False, True), "on_report_eager": (compared, True, False),

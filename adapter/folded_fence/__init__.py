@@ -337,7 +337,7 @@ def _module_plan(contract: Contract, engine) -> Plan:
     escapes = ESCAPES[key]
     found = _reader_uses(contract, tuple(escapes) + tuple(NOT_ESCAPES.get(key, ())))
     seen = sorted({f.function for f in found if f.function in escapes})
-    patches, notes = [], []
+    patches, notes, short = [], [], []
     for function in seen:
         owner_name, _, attr = function.rpartition(".")
         contract.params(function, ESCAPE_PARAMS[function])
@@ -354,15 +354,18 @@ def _module_plan(contract: Contract, engine) -> Plan:
             raise contract.refuse(FOLDED, "no longer returns read_accept(bs) on the folded path; what its result aliases is unknown")
         if _snapshot_detaches_every_field(contract):
             notes.append(f"the engine snapshots the folded result itself ({SNAPSHOT} clones every field)")
+            short.append(f"the engine's {UPSTREAM_SNAPSHOT} clones the folded result itself")
         else:  # named like upstream's fix but not shown to detach every field: fence it
             _sets_epilogue(contract, "TargetVerifyExecutor", ROUTE_EPILOGUE[FOLDED], "the fence")
             patches.append(Patch(contract.attr("TargetVerifyExecutor"), FOLDED_METHOD, GENERAL_FOLDED))
             notes.append(f"{SNAPSHOT} is not shown to clone every field")
+            short.append(f"the engine's {UPSTREAM_SNAPSHOT} is not shown to clone every field")
     if not patches:
         if notes:
-            return Plan("superseded", notes[0])
+            return Plan("superseded", notes[0], short_reason=short[0])
         return Plan("not needed", "no epilogue views escape here")
-    return Plan("applied", "; ".join(["fenced " + ", ".join(p.where for p in patches)] + notes), patches)
+    fenced = "fenced " + ", ".join(p.where for p in patches)
+    return Plan("applied", "; ".join([fenced] + notes), patches, short_reason="; ".join([fenced] + short))
 
 
 def check(engine, enabled: bool, context) -> Plan:
@@ -388,4 +391,4 @@ LEDGER = Ledger(
                 "superseded for accept_and_finalize) and no other route hands out the epilogue's views",
 )
 SURFACE = Surface(name=NAME, flag=FLAG, summary=SUMMARY, parse=parse, check=check, check_value=CHECK_VALUE,
-                  ledger=LEDGER, machine=machine)
+                  ledger=LEDGER, machine=machine, commands={"build-kernel": accept_snapshot.build_command})

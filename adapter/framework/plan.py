@@ -30,12 +30,15 @@ class Plan:
     """What an adapter would do to one engine, decided by its `check`; nothing done yet.
 
     state: "applied" or "superseded" for a whole adapter ("not needed" for one module);
-    env: variables handed to the engine's own switches (the runtime sets them)."""
+    detail: the whole reason, every proof and site; short_reason: the deciding reason in
+    a few words (doctor's one line per adapter), which an applied or superseded plan must
+    give; env: variables handed to the engine's own switches (the runtime sets them)."""
 
     state: str
     detail: str
     patches: list[Patch] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    short_reason: str = field(default="", kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -84,4 +87,5 @@ def combine(adapter: str, version: str, plans: Iterable[Plan]) -> Plan:
     env: dict[str, str] = {}
     for plan in done:
         env.update(plan.env)
-    return Plan(state, "; ".join(p.detail for p in done), [x for p in done for x in p.patches], env)
+    return Plan(state, "; ".join(p.detail for p in done), [x for p in done for x in p.patches], env,
+                short_reason="; ".join(p.short_reason for p in done if p.short_reason))

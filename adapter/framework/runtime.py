@@ -54,6 +54,8 @@ OFF, APPLIED, SUPERSEDED, REFUSED, AT_LAUNCH = State
 MASTER = "DSV41_ADAPTERS"
 MASTER_OFF = "off"
 LINE_LIMIT = 199  # a per-process line stays under 200 characters; details are doctor's
+DOCTOR_LINE_LIMIT = 160  # doctor's one line per adapter, `adapter: outcome - short reason`; details: doctor ADAPTER
+_CLIPPED = "..."
 _VALUE_LIMIT = 32
 _MORE = " ... (details: sglang-adapters doctor)"
 
@@ -106,6 +108,11 @@ class Outcome:
     state: str
     reason: str
     engine: str
+    short_reason: str = ""  # the deciding reason, so that summary_line() fits DOCTOR_LINE_LIMIT
+
+    def summary_line(self) -> str:
+        """doctor's line for this outcome: what happens and the deciding reason."""
+        return f"{self.adapter}: {self.state} - {self.short_reason}"
 
     def entry(self, machine: str = "") -> tuple[str, dict]:
         """This outcome as a line of the pack (adapter.framework.log): its message, shortened so that the
@@ -200,16 +207,37 @@ def order(names=ADAPTERS) -> list[str]:
     return done
 
 
-def _check(adapter: Surface, engine, setting, context: Context) -> tuple[str, str, Optional[Plan]]:
+def _check(adapter: Surface, engine, setting, context: Context) -> tuple[str, str, str, Optional[Plan]]:
+    """(state, reason, short reason, plan) of one adapter's check."""
     try:
         plan = adapter.check(engine, setting, context)
-    except Refused as exc:
-        return REFUSED, str(exc), None
-    except Undecided as exc:
-        return AT_LAUNCH, str(exc), None
+        if not plan.short_reason:
+            raise ValueError(f"its {plan.state} plan gives no short reason")  # a defect of the pack, said
+    except (Refused, Undecided) as exc:
+        state = REFUSED if isinstance(exc, Refused) else AT_LAUNCH
+        return state, str(exc), f"sglang {exc.version}: {_short_symbol(exc.symbol)}: {exc.problem}", None
     except Exception as exc:  # a check that cannot run is no pass: fail closed, say why
-        return REFUSED, f"{adapter.name} refused on sglang {engine.version}: check failed: {type(exc).__name__}: {exc}", None
-    return State(plan.state), plan.detail, plan
+        failed = f"check failed: {type(exc).__name__}: {exc}"
+        return REFUSED, f"{adapter.name} refused on sglang {engine.version}: {failed}", f"sglang {engine.version}: {failed}", None
+    return State(plan.state), plan.detail, plan.short_reason, plan
+
+
+def _short_symbol(symbol: str) -> str:
+    """`package.module:Class.attr` as `module:Class.attr`, a module as its own name: the one
+    line keeps the symbol, not its package (a flag has no dot and stays as it is)."""
+    module, colon, attr = symbol.partition(":")
+    return module.rpartition(".")[2] + colon + attr
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, its end cut where it does not fit."""
+    return text if len(text) <= limit else text[:max(limit - len(_CLIPPED), 0)].rstrip() + _CLIPPED
+
+
+def _outcome(name: str, flag: str, value, state: str, reason: str, short: str, engine: str) -> Outcome:
+    """An outcome whose short reason fits doctor's line."""
+    room = DOCTOR_LINE_LIMIT - len(Outcome(name, flag, value, state, reason, engine).summary_line())
+    return Outcome(name, flag, value, state, reason, engine, clip(short, room))
 
 
 def context_for(adapter: Surface, environ, settings: Mapping, handed: Mapping[str, dict],
@@ -236,23 +264,25 @@ def decide(environ: Mapping[str, str], engine=None, names=ADAPTERS, topology: Op
     adapters = {name: load(name) for name in names}
     if switched_off(environ):
         reason = f"{MASTER}=off: the whole pack is off"
-        outcomes = tuple(Outcome(n, a.flag, environ.get(a.flag), OFF, reason, engine.version) for n, a in adapters.items())
+        outcomes = tuple(_outcome(n, a.flag, environ.get(a.flag), OFF, reason, reason, engine.version)
+                         for n, a in adapters.items())
         return Decision(engine.version, outcomes, {}, switched_off=True, topology=topology, judged=judged)
     settings, flag_errors = _parse(adapters, environ)
     outcomes, plans, handed = {}, {}, {}
     for name in order(names):
         adapter = adapters[name]
         if name in flag_errors:
-            state, reason, plan = REFUSED, flag_errors[name], None
+            state, reason, short, plan = REFUSED, flag_errors[name], flag_errors[name], None
         elif not settings[name]:
-            state, reason, plan = OFF, f"{adapter.flag} is off", None
+            reason = f"{adapter.flag} is off"
+            state, short, plan = OFF, reason, None
         else:
             context = context_for(adapter, environ, settings, handed, topology)
-            state, reason, plan = _check(adapter, engine, settings[name], context)
+            state, reason, short, plan = _check(adapter, engine, settings[name], context)
         if plan is not None:
             plans[name] = plan
             handed[name] = dict(plan.env)
-        outcomes[name] = Outcome(name, adapter.flag, environ.get(adapter.flag), state, reason, engine.version)
+        outcomes[name] = _outcome(name, adapter.flag, environ.get(adapter.flag), state, reason, short, engine.version)
     flag_problems = tuple(unknown_flags(environ) + switch_problems(environ))
     enabled = any(o.state != OFF for o in outcomes.values())
     # ranks that skip the plugin would not apply it
@@ -283,7 +313,12 @@ def flag_errors(environ: Mapping[str, str]) -> list[str]:
 
 
 def engine_check(adapter: Surface, engine=None, topology: Optional[Topology] = None) -> tuple[str, str]:
-    """What `adapter` would do on `engine` if switched on at its broadest setting
+    """engine_verdict's state and reason."""
+    return engine_verdict(adapter, engine, topology)[:2]
+
+
+def engine_verdict(adapter: Surface, engine=None, topology: Optional[Topology] = None) -> tuple[str, str, str]:
+    """(state, reason, short reason): what `adapter` would do on `engine` if switched on at its broadest setting
     (check_value), with every other adapter off (but those named in its check_with) and no
     engine switch set: a judgement of the engine alone (doctor's engine check column, the
     compatibility matrix), for `topology` (None: every topology)."""
@@ -293,8 +328,8 @@ def engine_check(adapter: Surface, engine=None, topology: Optional[Topology] = N
     settings = {name: load(name).parse({load(name).flag: value}) for name, value in adapter.check_with.items()}
     # no engine switch set; the adapter's own flag as it is judged (a hand-over reads its words)
     context = context_for(adapter, {adapter.flag: adapter.check_value}, settings, {}, topology)
-    state, reason, _ = _check(adapter, engine, setting, context)
-    return state, reason
+    state, reason, short, _ = _check(adapter, engine, setting, context)
+    return state, reason, _outcome(adapter.name, adapter.flag, None, state, reason, short, engine.version).short_reason
 
 
 def apply(decision: Decision) -> None:

@@ -21,6 +21,7 @@ from .ledger import Ledger
 SETTING, HANDOVER = "setting", "handover"  # what an adapter may read of another
 FLAG_NAME = re.compile(r"DSV41_[A-Z0-9_]+")
 SERVER_ARG = re.compile(r"[a-z][a-z0-9_]*")  # a ServerArgs field, as the engine names it
+COMMAND_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 
 
 class SurfaceError(TypeError):
@@ -37,8 +38,10 @@ class Surface:
     this one reads (SETTING, HANDOVER or both, comma-separated); check_with: other adapters
     switched on for the engine check (name -> flag value); extra_flags: further variables
     it reads -> their help line; machine(): what this machine adds to an applied outcome;
-    server_args: the engine's server arguments (ServerArgs field names) its verdict reads,
-    handed as context.topology.server_args; ledger: why it exists and when it retires."""
+    commands: subcommands of the pack's command line it brings (`sglang-adapters NAME ARGS...`
+    -> run(ARGS) -> exit status; the first line of run's docstring is its help); server_args:
+    the engine's server arguments (ServerArgs field names) its verdict reads, handed as
+    context.topology.server_args; ledger: why it exists and when it retires."""
 
     name: str
     flag: str
@@ -51,6 +54,7 @@ class Surface:
     check_with: Mapping[str, str] = field(default_factory=dict)
     extra_flags: Mapping[str, str] = field(default_factory=dict)
     machine: Optional[Callable[[], str]] = None
+    commands: Mapping[str, Callable[[list[str]], int]] = field(default_factory=dict)
     server_args: tuple[str, ...] = ()
 
     @property
@@ -102,6 +106,11 @@ def validate(surface, name: str, registered: tuple[str, ...]) -> Surface:
         raise wrong(f"server_args {surface.server_args!r} is not a tuple of server argument names (snake_case)")
     if surface.machine is not None and not callable(surface.machine):
         raise wrong("machine is not callable")
+    for command, run in surface.commands.items():
+        if not COMMAND_NAME.fullmatch(command):
+            raise wrong(f"command {command!r} is not lower-case words joined by hyphens")
+        if not callable(run) or not _takes(run, 1) or not (run.__doc__ or "").strip():
+            raise wrong(f"command {command!r} does not take (argv) with a docstring for its help")
     if not isinstance(surface.ledger, Ledger):
         raise wrong("it has no Ledger")
     return surface

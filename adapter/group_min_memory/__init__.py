@@ -17,7 +17,7 @@ before_0_5_19.py (the code for those releases).
 From 0.5.19 the engine probes through `SpecTpSync.available_memory_gb(site, ..., group=g)`,
 which reduces over g only when SpecTpSync keeps its sites, i.e. when the group it was built
 over (the one that runs a batch) has more than one rank. The adapter reports superseded
-where that is shown from the engine's source (adapter.spectpsync.upstream_sync.prove_probe) for a
+where that is shown from the engine's source (adapter.spectpsync.memory_probe_proof) for a
 deployment whose topology is known and keeps the sites; elsewhere (DP attention with
 attention-TP 1, where DSpark's capture group can still span the TP group; or the topology
 unknown) it wraps that class method so the probe is the minimum over the group its caller
@@ -41,8 +41,8 @@ from ..framework.flags import parse_switch
 from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Patch, Plan, combine
 from ..framework.surface import HANDOVER, Surface
-from ..spectpsync import upstream_sync
-from ..spectpsync.sites import MEMORY, labels
+from ..spectpsync import callers_proof, engine_class, groups_proof, memory_probe_proof, selected_sites
+from ..spectpsync.sites import MEMORY, labels, spans
 
 NAME = "group_min_memory"
 FLAG = "DSV41_GROUP_MIN_MEM"
@@ -54,7 +54,7 @@ DSPARK_WORKER = f"{SPEC}.dspark_components.dspark_worker_v2"
 DSPARK_SAMPLER = f"{SPEC}.dspark_components.dspark_draft_sampler"  # 0.5.17+
 DFLASH_WORKER = f"{SPEC}.dflash_worker_v2"
 # (module, required); spec_tp_sync (0.5.19+) is the upstream fix.
-TARGETS = ((upstream_sync.MODULE, False), (DSPARK_WORKER, True), (DSPARK_SAMPLER, False), (DFLASH_WORKER, True))
+TARGETS = ((engine_class.MODULE, False), (DSPARK_WORKER, True), (DSPARK_SAMPLER, False), (DFLASH_WORKER, True))
 
 HELPER = "get_available_gpu_memory"
 HELPER_HOME = "sglang.srt.utils.common"
@@ -99,7 +99,7 @@ def _engine_choice(contract, value: str):
     """The sites a literal the engine sets selects, by the engine's own parser; None where
     it cannot be read."""
     try:
-        return upstream_sync.engine_parse(contract, ast.literal_eval(value))
+        return selected_sites.engine_parse(contract, ast.literal_eval(value))
     except (ValueError, SyntaxError, Refused):
         return None
 
@@ -110,49 +110,51 @@ def check_upstream(engine, module, context) -> Plan:
     group its caller passes. Refused when the engine's switch drops a memory site."""
     contract = Contract(NAME, module)
     contract.params(UPSTREAM_PROBE, {"site": POSITIONAL, "device": POSITIONAL, "gpu_id": POSITIONAL, "group": KEYWORD_ONLY})
-    upstream_sync.memory_numbers(contract)
+    engine_class.memory_numbers(contract)
     try:
-        what, selected = upstream_sync.selected(contract, context, engine)
+        what, selected = selected_sites.selected(contract, context, engine)
     except Refused as exc:  # the class is not shown to select by its switch: the pack's probe serves every site
-        if f":{upstream_sync.CLASS}" not in exc.symbol:
+        if f":{engine_class.CLASS}" not in exc.symbol:
             raise  # the value itself: the engine would refuse it on every rank
         return _pack_probe(contract, engine, context, f"{exc.symbol}: {exc.problem}",
                            "the pack's probe reduces whichever site asks")
     choices = [(what, selected)]
-    if upstream_sync.run_value(context) is None:  # what the engine may set itself where unset
-        choices += [(f"{upstream_sync.ENGINE_FLAG}={value} (set by the engine at {where})", _engine_choice(contract, value))
-                    for where, value in upstream_sync.engine_writes(engine)]
+    if selected_sites.run_value(context) is None:  # what the engine may set itself where unset
+        choices += [(f"{engine_class.ENGINE_FLAG}={value} (set by the engine at {where})", _engine_choice(contract, value))
+                    for where, value in callers_proof.engine_writes(engine)]
     for said, chosen in choices:
         missing = frozenset(s for s in MEMORY if chosen is None or int(s) not in chosen)
         if missing:
             raise contract.refuse(
-                upstream_sync.ENGINE_FLAG,
+                engine_class.ENGINE_FLAG,
                 f"{said} leaves out sites {labels(missing)}: the engine would then probe free memory per rank and "
-                f"{FLAG}=1 could not be kept; keep those sites on (set {upstream_sync.ENGINE_FLAG} yourself) or "
+                f"{FLAG}=1 could not be kept; keep those sites on (set {engine_class.ENGINE_FLAG} yourself) or "
                 f"switch {FLAG} off")
-    where = upstream_sync.judged_for(context.topology)
+    where = groups_proof.judged_for(context.topology)
     try:
-        shown, reach = upstream_sync.probe_reach(contract, engine, upstream_sync.run_value(context))
-        groups = upstream_sync.worker_groups(contract, engine)
-        why_not = upstream_sync.memory_reached(context.topology, groups, reach)
+        shown, reach = memory_probe_proof.probe_reach(contract, engine, selected_sites.run_value(context))
+        groups = groups_proof.worker_groups(contract, engine)
+        why_not = memory_probe_proof.memory_reached(context.topology, groups, reach)
     except Refused as exc:
         why_not = f"{exc.symbol}: {exc.problem}"
     if why_not is None:
         return Plan("superseded", f"the engine reduces the probes to the group minimum itself {where}, shown from its "
-                                  f"source and by running it: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}; {what} keeps "
-                                  f"{labels(MEMORY)} on")
+                                  f"source and by running it: {'; '.join(shown)}; {groups_proof.describe_groups(groups)}; {what} keeps "
+                                  f"{labels(MEMORY)} on",
+                    short_reason=f"the engine's SpecTpSync reduces sites {spans(MEMORY)} to the group minimum itself")
     return _pack_probe(contract, engine, context, why_not, f"{what} keeps {labels(MEMORY)} on")
 
 
 def _pack_probe(contract: Contract, engine, context, why_not: str, sites: str) -> Plan:
     """The pack's group minimum in place of SpecTpSync's probe, where the engine's is not shown."""
-    helper = upstream_sync.prove_helper(contract, engine)  # what the pack's probe calls
-    owner = contract.attr(upstream_sync.CLASS)
+    helper = memory_probe_proof.prove_helper(contract, engine)  # what the pack's probe calls
+    owner = contract.attr(engine_class.CLASS)
     return Plan("applied", f"{UPSTREAM_PROBE} made the minimum over the group its caller passes whenever that group "
                            f"has more than one rank (upstream's unreleased fix, sgl-project/sglang#39954) "
-                           f"{upstream_sync.judged_for(context.topology)}: the engine's own reduction is not shown to "
+                           f"{groups_proof.judged_for(context.topology)}: the engine's own reduction is not shown to "
                            f"reach the capture group ({why_not}); {helper}; {sites}",
-                [Patch(owner, "available_memory_gb", _upstream_group_minimum)])
+                [Patch(owner, "available_memory_gb", _upstream_group_minimum)],
+                short_reason=f"the pack makes {UPSTREAM_PROBE} the group minimum: {why_not}")
 
 
 def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
@@ -167,7 +169,7 @@ def _superseded_consumer(contract: Contract, probe: Probe) -> Optional[Plan]:
             raise contract.refuse(probe.function, f"line {found.line} no longer passes (site, device, gpu_id, group=...)")
     if asked:
         contract.only_used_in("available_memory_gb", (probe.function,), attribute=True)
-        return Plan("superseded", f"{probe.function} probes through {upstream_sync.MODULE}:{UPSTREAM_PROBE}({probe.site.name})")
+        return Plan("superseded", f"{probe.function} probes through {engine_class.MODULE}:{UPSTREAM_PROBE}({probe.site.name})")
     func = getattr(contract.module, probe.function, None) if "." not in probe.function else None
     if func is not None and "available_memory_gb" in inspect.signature(func).parameters:
         return Plan("superseded", f"{probe.function} takes available_memory_gb from {UPSTREAM_PROBE}({probe.site.name})")
@@ -192,12 +194,16 @@ def _module_plan(module) -> Plan:
 def check(engine, enabled: bool, context) -> Plan:
     """What making every probe a group minimum takes on `engine`; patches nothing."""
     modules = target_modules(NAME, engine, TARGETS)
-    plans = [check_upstream(engine, modules.pop(upstream_sync.MODULE), context)] if upstream_sync.MODULE in modules else []
+    plans = [check_upstream(engine, modules.pop(engine_class.MODULE), context)] if engine_class.MODULE in modules else []
     consumers = {name: _module_plan(module) for name, module in modules.items()}
     if not plans and any(p.state == "superseded" for p in consumers.values()):
-        raise Refused(NAME, upstream_sync.MODULE, "is missing, yet a consumer probes through it", engine.version)
+        raise Refused(NAME, engine_class.MODULE, "is missing, yet a consumer probes through it", engine.version)
     plan = combine(NAME, engine.version, plans + list(consumers.values()))
     applied = [name for name, p in consumers.items() if p.state == "applied"]
+    # the consumers only show where the probes go; the engine's class (0.5.19+) decides
+    plan.short_reason = plans[0].short_reason if plans else (
+        f"the pack makes the {', '.join(PROBES[name].label for name in applied)} probes the group minimum "
+        "(the engine has no SpecTpSync)")
     if applied:  # the helper's bindings wrapped (0.5.16-0.5.18); from 0.5.19 the class method, every caller's
         before_0_5_19.census_check(engine, applied)
     return plan

@@ -7,7 +7,7 @@ added `SpecTpSync`, which broadcasts every such decision from rank 0 before any 
 derives from it. This adapter does the same on 0.5.16 - 0.5.18 by wrapping the
 consumer bindings around each decision (HOOKS), and on 0.5.19+ hands its selection
 to the engine's own switch SGLANG_SPEC_TP_SYNC (superseded where SpecTpSync is shown from
-its source to do the job: adapter.spectpsync.upstream_sync.prove_broadcast).
+its source to do the job: adapter.spectpsync.broadcast_proof.prove_broadcast).
 
 The flag takes upstream's site grammar (adapter.spectpsync.sites); unset or an off word is off.
 The memory sites (1, 12) are served by DSV41_GROUP_MIN_MEM before 0.5.19, and the
@@ -27,9 +27,9 @@ from ..engine.contract import Contract, Refused, target_modules
 from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Plan
 from ..framework.surface import SETTING, Surface
-from ..spectpsync import handover, upstream_sync
+from ..spectpsync import broadcast_proof, engine_class, groups_proof, handover, memory_probe_proof, selected_sites
 from ..framework.plan import combine
-from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector, slug_of
+from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector, slug_of, spans
 
 NAME = "rank0_broadcast"
 FLAG = "DSV41_SPEC_TP_SYNC"
@@ -41,8 +41,8 @@ from . import before_0_5_19, dflash_draft  # noqa: E402  (they read NAME and FLA
 from .before_0_5_19 import DFLASH_WORKER, DRAFT, DRAFT_SAMPLER, DSPARK_WORKER, HOOKS, VERIFY  # noqa: E402,F401
 
 # (module, required); spec_tp_sync exists from 0.5.19 (then superseded).
-CLASS = upstream_sync.CLASS
-TARGETS = ((upstream_sync.MODULE, False), (DRAFT, True), (DRAFT_SAMPLER, False), (VERIFY, True),
+CLASS = engine_class.CLASS
+TARGETS = ((engine_class.MODULE, False), (DRAFT, True), (DRAFT_SAMPLER, False), (VERIFY, True),
            (DSPARK_WORKER, True), (DFLASH_WORKER, True))
 
 
@@ -60,13 +60,18 @@ def _memory_off(context) -> str:
         ", which is off: switch it on (DSV41_GROUP_MIN_MEM=1) to cover them"
 
 
+def memory_left(memory, context) -> str:
+    """The short reason's words for the memory sites left to DSV41_GROUP_MIN_MEM."""
+    return f"; {spans(memory)} left to DSV41_GROUP_MIN_MEM" + ("" if context.settings["group_min_memory"] else " (off)")
+
+
 def _memory_unreached(contract, engine, run_with, topology, groups):
     """Why the engine's own probe is not shown to reduce the memory sites (None: shown)."""
     try:
-        _, reach = upstream_sync.probe_reach(contract, engine, run_with)
+        _, reach = memory_probe_proof.probe_reach(contract, engine, run_with)
     except Refused as exc:
         return f"{exc.symbol}: {exc.problem}"
-    return upstream_sync.memory_reached(topology, groups, reach)
+    return memory_probe_proof.memory_reached(topology, groups, reach)
 
 
 def _handover(engine, module, sites: frozenset, context) -> Plan:
@@ -77,20 +82,20 @@ def _handover(engine, module, sites: frozenset, context) -> Plan:
     _no_collision(contract)
     raw = context.environ.get(FLAG) or _numbers(int(s) for s in sites)
     value = handover.value(contract, raw, FLAG)
-    mapped = upstream_sync.selection(contract, value)
-    theirs = context.environ.get(upstream_sync.ENGINE_FLAG)
+    mapped = selected_sites.selection(contract, value)
+    theirs = context.environ.get(engine_class.ENGINE_FLAG)
     if theirs is not None:
-        their_sites = upstream_sync.selection(contract, theirs)
+        their_sites = selected_sites.selection(contract, theirs)
         if their_sites != mapped:
             raise contract.refuse(
-                upstream_sync.ENGINE_FLAG,
+                engine_class.ENGINE_FLAG,
                 f"={theirs!r} selects sites {_numbers(their_sites)} but {FLAG}={raw!r} selects "
                 f"{_numbers(mapped)} on this engine; set one of them or make them agree")
     run_with = value if theirs is None else theirs
-    shown = upstream_sync.prove_broadcast(contract, engine, run_with)
-    groups = upstream_sync.worker_groups(contract, engine)
+    shown = broadcast_proof.prove_broadcast(contract, engine, run_with)
+    groups = groups_proof.worker_groups(contract, engine)
     topology, memory = context.topology, sites & MEMORY
-    where = upstream_sync.judged_for(topology)
+    where = groups_proof.judged_for(topology)
     unreached = _memory_unreached(contract, engine, run_with, topology, groups) if memory else None
     if unreached and not sites - MEMORY:
         raise contract.refuse(CLASS, f"{FLAG} selects only {labels(memory)}, whose probes the engine is not shown to "
@@ -100,28 +105,34 @@ def _handover(engine, module, sites: frozenset, context) -> Plan:
     unknown = handover.unknown_sites(contract, mapped)
     detail = (f"{module.__name__}.{CLASS} broadcasts these decisions itself {where}"
               + (" (one rank runs each batch there: nothing to broadcast)" if alone else "")
-              + f", shown from its source and by running it: {'; '.join(shown)}; {upstream_sync.describe_groups(groups)}"
+              + f", shown from its source and by running it: {'; '.join(shown)}; {groups_proof.describe_groups(groups)}"
               + (f"; sites the pack does not know, kept on: {', '.join(unknown)}" if unknown else "")
               + (f"; sites {labels(memory)} are not shown to be reduced there ({unreached}): DSV41_GROUP_MIN_MEM "
                  f"serves them{_memory_off(context)}" if unreached else ""))
-    handed = f"{FLAG} handed to {upstream_sync.ENGINE_FLAG}"
+    short = (("one rank runs each batch: nothing to broadcast" if alone
+              else f"the engine's SpecTpSync broadcasts sites {spans(mapped)}")
+             + (f"; {len(unknown)} sites the pack does not know kept on" if unknown else "")
+             + (memory_left(memory, context) if unreached else ""))
+    handed = f"{FLAG} handed to {engine_class.ENGINE_FLAG}"
     if theirs is None:
-        return Plan("superseded", f"{detail}; {handed}={value!r}", env={upstream_sync.ENGINE_FLAG: value})
-    return Plan("superseded", f"{detail}; {handed} (already set to the same sites)")
+        return Plan("superseded", f"{detail}; {handed}={value!r}", env={engine_class.ENGINE_FLAG: value},
+                    short_reason=f"{short}; handed to {engine_class.ENGINE_FLAG}={value!r}")
+    return Plan("superseded", f"{detail}; {handed} (already set to the same sites)",
+                short_reason=f"{short}; {engine_class.ENGINE_FLAG} already selects the same sites")
 
 
 def _engine_sites_on(module, handed: Plan, context) -> dict:
     """The engine's sites its switch keeps on under what the hand-over left it (name -> label)."""
     contract = Contract(NAME, module)
-    value = handed.env.get(upstream_sync.ENGINE_FLAG, context.environ.get(upstream_sync.ENGINE_FLAG))
-    chosen = upstream_sync.selection(contract, value)
-    return {name: f"{number}:{slug_of(name)}" for name, number in upstream_sync.engine_sites(contract).items()
+    value = handed.env.get(engine_class.ENGINE_FLAG, context.environ.get(engine_class.ENGINE_FLAG))
+    chosen = selected_sites.selection(contract, value)
+    return {name: f"{number}:{slug_of(name)}" for name, number in engine_class.engine_sites(contract).items()
             if number in chosen}
 
 
 def _no_collision(contract) -> None:
     """The pack's own site numbers and slugs are not the engine's (adapter.spectpsync.sites)."""
-    for name, number in upstream_sync.engine_sites(contract).items():
+    for name, number in engine_class.engine_sites(contract).items():
         for site in PACK | REPORT_ONLY:
             if number == int(site) or name.lower().replace("_", "-").startswith(PACK_PREFIX):
                 raise contract.refuse(f"SpecTpSyncSite.{name}", f"is {number}: the engine now uses a number or slug "
@@ -133,15 +144,20 @@ def check(engine, setting: frozenset, context) -> Plan:
     modules = target_modules(NAME, engine, TARGETS)
     upstream, own = setting - PACK, setting & PACK
     plans = []
-    if upstream_sync.MODULE in modules:  # the engine's sites handed over, "none" where only the pack's own are selected
-        plans.append(_handover(engine, modules[upstream_sync.MODULE], upstream, context))
+    if engine_class.MODULE in modules:  # the engine's sites handed over, "none" where only the pack's own are selected
+        plans.append(_handover(engine, modules[engine_class.MODULE], upstream, context))
     elif upstream:
-        plans.append(before_0_5_19.plan(engine, modules, upstream, _memory_off(context)))
+        plans.append(before_0_5_19.plan(engine, modules, upstream, _memory_off(context), memory_left(upstream & MEMORY, context)))
     if own:
         recorded = any(p.where == "DFlashWorkerV2.__init__" for plan in plans for p in plan.patches)
-        on = _engine_sites_on(modules[upstream_sync.MODULE], plans[0], context) if upstream_sync.MODULE in modules else {}
-        plans.append(dflash_draft.plan(engine, modules, recorded, upstream_sync.MODULE in modules, on))
-    return plans[0] if len(plans) == 1 else combine(NAME, engine.version, plans)
+        on = _engine_sites_on(modules[engine_class.MODULE], plans[0], context) if engine_class.MODULE in modules else {}
+        plans.append(dflash_draft.plan(engine, modules, recorded, engine_class.MODULE in modules, on))
+    if len(plans) == 1:
+        return plans[0]
+    plan = combine(NAME, engine.version, plans)
+    # what the pack patches first, then what it leaves to the engine
+    plan.short_reason = "; ".join(p.short_reason for p in sorted(plans, key=lambda p: p.state != "applied"))
+    return plan
 
 
 LEDGER = Ledger(

@@ -17,7 +17,7 @@ from ..engine.contract import KEYWORD_ONLY, POSITIONAL, Contract, Refused
 from ..framework.plan import Hook, Plan, check_hook, combine
 from ..spectpsync import broadcast as pack
 from ..spectpsync.broadcast import DFLASH, DSPARK, SERVED_ELSEWHERE, bind_group, resolve_group, worker_server_args
-from ..spectpsync.sites import MEMORY, Site, labels
+from ..spectpsync.sites import MEMORY, Site, labels, spans
 # The package defines its name and flag before it imports this file.
 from . import FLAG, NAME
 
@@ -262,9 +262,10 @@ def _module_plan(contract: Contract, sites: frozenset) -> Plan:
     return Plan("applied", ", ".join(p.where for p in patches), patches)
 
 
-def plan(engine, modules: dict, sites: frozenset, memory_off: str) -> Plan:
+def plan(engine, modules: dict, sites: frozenset, memory_off: str, memory_left: str) -> Plan:
     """0.5.16 - 0.5.18: the pack's own broadcast at every selected site it serves
-    (`memory_off`: what to add where DSV41_GROUP_MIN_MEM serves the memory sites and is off)."""
+    (`memory_off`: what to add where DSV41_GROUP_MIN_MEM serves the memory sites and is off;
+    `memory_left`: the same for the short reason)."""
     patchable = sites - SERVED_ELSEWHERE.keys()
     uncovered = sites & MEMORY
     note = "" if not uncovered else \
@@ -281,4 +282,6 @@ def plan(engine, modules: dict, sites: frozenset, memory_off: str) -> Plan:
     _census(engine, patchable)
     groups = parallel_groups.check(NAME, engine)  # what resolve_group reads at each worker's __init__
     plan.detail = f"rank-0 broadcast at {labels(patchable)} via {plan.detail}{note}; the groups: {groups}"
+    plan.short_reason = (f"the pack broadcasts sites {spans(patchable)} from rank 0 (the engine has no SpecTpSync)"
+                         + (memory_left if uncovered else ""))
     return plan

@@ -101,7 +101,7 @@ def _record_group(wrapped, instance, args, kwargs):
 
 def _engine_group(wrapped, instance, args, kwargs):
     """0.5.19+: the group the worker built its own SpecTpSync over (the group that runs one
-    batch, shown by upstream_sync.worker_groups), kept once __init__ has run; nothing proposes
+    batch, shown by groups_proof.worker_groups), kept once __init__ has run; nothing proposes
     a draft before it returns (capture and the selector warm-up run in init_cuda_graphs)."""
     result = wrapped(*args, **kwargs)
     bind_group(DFLASH, instance._tp_sync._tp_group)
@@ -306,7 +306,8 @@ def plan(engine, modules: dict, recorded: bool, engine_sync: bool, on: Optional[
     engine_part = f"; the engine broadcasts these paths itself: {', '.join(engines)}" if engines else ""
     if not ours:
         return Plan("superseded", f"{SITE.label} (the pack's own site): every DFlash greedy draft path of this release "
-                                  f"is broadcast by the engine itself, shown from its source{engine_part}")
+                                  f"is broadcast by the engine itself, shown from its source{engine_part}",
+                    short_reason=f"{SITE.label}: the engine is shown to broadcast every DFlash greedy draft path itself")
     if not recorded:
         patches.insert(0, check_hook(worker, ENGINE_GROUP if engine_sync else RECORDER))
     judged = ", ".join(p.name for p in ours)
@@ -314,4 +315,5 @@ def plan(engine, modules: dict, recorded: bool, engine_sync: bool, on: Optional[
     groups = "" if recorded or engine_sync else f"; the groups: {parallel_groups.check(NAME, engine)}"
     return Plan("applied", f"{SITE.label} (the pack's own site) at {', '.join(p.where for p in patches)}: "
                            f"DFlash greedy draft paths {judged} (the captured plain head all-gathers: TP-safe)"
-                           f"{engine_part}{groups}", patches)
+                           f"{engine_part}{groups}", patches,
+                short_reason=f"the pack broadcasts {SITE.label} ({judged})")

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from ..engine.contract import Contract, Refused
 from . import sites as grammar
-from . import upstream_sync
+from .engine_class import engine_sites, to_engine
+from .observation import observed
+from .selected_sites import engine_parse
 from .sites import PACK, UPSTREAM, slug_of
 
 
@@ -27,7 +29,7 @@ def known_numbers(contract: Contract) -> frozenset[int]:
     known = set()
     for site in UPSTREAM:
         try:
-            known |= upstream_sync.to_engine(contract, {site})
+            known |= to_engine(contract, {site})
         except Refused:  # a site this release lacks is simply not among the known
             continue
     return frozenset(known)
@@ -35,7 +37,7 @@ def known_numbers(contract: Contract) -> frozenset[int]:
 
 def value(contract: Contract, raw: str, flag: str) -> str:
     """SGLANG_SPEC_TP_SYNC for DSV41_SPEC_TP_SYNC=`raw` on this engine (module docstring)."""
-    names = {number: name for name, number in upstream_sync.engine_sites(contract).items()}
+    names = {number: name for name, number in engine_sites(contract).items()}
     slug = lambda n: slug_of(names[n])  # noqa: E731
     planned = []
     for token in grammar.tokens(raw):
@@ -43,18 +45,18 @@ def value(contract: Contract, raw: str, flag: str) -> str:
         meant = grammar.parse_value(name, flag)
         if meant and meant <= PACK:
             continue  # the pack's own site: no release has it
-        planned.append((sign, name, upstream_sync.to_engine(contract, meant - PACK)))
-    read = upstream_sync.observed(contract, [name for _, name, _ in planned])
+        planned.append((sign, name, to_engine(contract, meant - PACK)))
+    read = observed(contract, [name for _, name, _ in planned])
     handed = []
     for sign, name, meant in planned:
         if read[name]["parse_error"]:
             handed += [sign + slug(n) for n in sorted(meant)]
         else:
             handed.append(sign + name)
-    wanted = upstream_sync.to_engine(contract, grammar.parse_value(raw, flag) - PACK)
+    wanted = to_engine(contract, grammar.parse_value(raw, flag) - PACK)
     known = known_numbers(contract)
     first = ",".join(handed) or "none"
-    got = upstream_sync.engine_parse(contract, first)
+    got = engine_parse(contract, first)
     fixes = [slug(n) for n in sorted(wanted - got)] + ["-" + slug(n) for n in sorted((got & known) - wanted)]
     return ",".join(handed + fixes) if fixes else first
 
@@ -63,7 +65,7 @@ def unknown_sites(contract: Contract, numbers) -> list[str]:
     """The engine's sites among `numbers` that the pack does not know, each with what the
     engine's source says of it (the comment on or above its line), where it says anything."""
     known = known_numbers(contract)
-    names = {number: name for name, number in upstream_sync.engine_sites(contract).items()}
+    names = {number: name for name, number in engine_sites(contract).items()}
     notes = site_comments(contract)
     return [f"{n}:{slug_of(names[n])}" + (f" ({notes[names[n]]})" if notes.get(names[n]) else "")
             for n in sorted(set(numbers) - known) if n in names]

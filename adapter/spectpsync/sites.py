@@ -87,6 +87,17 @@ def labels(sites) -> str:
     return ", ".join(s.label for s in sorted(sites))
 
 
+def spans(numbers) -> str:
+    """Site numbers in short: `1,7-17` (doctor's one line); "none" for none."""
+    ordered, runs = sorted(int(n) for n in numbers), []
+    for number in ordered:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(f"{lo}" if lo == hi else f"{lo},{hi}" if hi == lo + 1 else f"{lo}-{hi}" for lo, hi in runs) or "none"
+
+
 def accepted_forms() -> str:
     return (f"presets {', '.join(sorted(PRESETS))}; site slugs or numbers {labels(ALL)}; "
             f"the pack's own sites {labels(PACK)} (no preset selects them); "

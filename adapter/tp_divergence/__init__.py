@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import divergence
-from ..spectpsync import upstream_sync
+from ..spectpsync import broadcast_proof, engine_class, groups_proof, selected_sites
 from ..engine.contract import Contract, Refused, target_modules
 from ..framework.plan import Patch, Plan, combine
 from ..engine.installed import version_of
@@ -38,7 +38,7 @@ from ..framework.flags import FlagError, parse_switch
 from ..framework.ledger import Ledger
 from ..framework.surface import HANDOVER, SETTING, Surface
 from ..spectpsync import broadcast as pack
-from ..spectpsync.sites import PACK, Site, labels, slug_of
+from ..spectpsync.sites import PACK, Site, labels, slug_of, spans
 
 NAME = "tp_divergence"
 FLAG = "DSV41_TP_DIVERGENCE"
@@ -115,7 +115,7 @@ def _site_and_values(site, values):
 
 def compare_sync(every: int, abort: bool = False):
     """The wrapper around SpecTpSync.sync(site, values) (0.5.19+), acting only where sync
-    broadcasts. sync is shown (upstream_sync) to broadcast its argument in place from rank 0
+    broadcasts. sync is shown (broadcast_proof) to broadcast its argument in place from rank 0
     of its group and return it: rank 0 sends its own value; another rank has sync receive
     rank 0's into a tensor of its own (divergence.receiver), and one launch compares it with
     the caller's and copies it there. A closure, not a partial: this runs at every eager call;
@@ -148,15 +148,15 @@ def one_rank(context, engine) -> None:
     SpecTpSync keeps no site in a group of one rank, the pack's broadcast is a no-op)."""
     topology = context.topology
     if topology is not None and topology.batch_group_size == 1:
-        raise Refused(NAME, FLAG, f"one rank runs each batch {upstream_sync.judged_for(topology)}: no site is "
+        raise Refused(NAME, FLAG, f"one rank runs each batch {groups_proof.judged_for(topology)}: no site is "
                                   f"broadcast there, so there is nothing to compare; unset {FLAG}", engine.version)
 
 
 def when(context) -> str:
     """The deployment the report is judged for, and what a rank with one rank per batch does."""
     if context.topology is not None:
-        return upstream_sync.judged_for(context.topology)
-    return (f"{upstream_sync.judged_for(None)}; a rank where one rank runs each batch (TP 1, or DP attention with "
+        return groups_proof.judged_for(context.topology)
+    return (f"{groups_proof.judged_for(None)}; a rank where one rank runs each batch (TP 1, or DP attention with "
             "attention-TP 1) refuses: nothing is broadcast there")
 
 
@@ -166,12 +166,12 @@ def _engine_plan(engine, module, setting: Setting, context) -> Plan:
     before and compares it with what sync returns)."""
     contract = Contract(NAME, module)
     one_rank(context, engine)
-    names = {number: name for name, number in upstream_sync.engine_sites(contract).items()}
+    names = {number: name for name, number in engine_class.engine_sites(contract).items()}
     if max(names) >= divergence.ROWS:
         raise contract.refuse("SpecTpSyncSite", f"numbers reach {max(names)}; the counters hold {divergence.ROWS} rows")
-    what, selected = upstream_sync.selected(contract, context, engine)
-    shown = upstream_sync.prove_broadcast(contract, engine, upstream_sync.run_value(context))
-    groups = upstream_sync.worker_groups(contract, engine)
+    what, selected = selected_sites.selected(contract, context, engine)
+    shown = broadcast_proof.prove_broadcast(contract, engine, selected_sites.run_value(context))
+    groups = groups_proof.worker_groups(contract, engine)
     memory = {int(s) for s in NOT_COMPARED}
     compared = sorted(n for n in selected if n not in memory)
     # Labelled from the engine's own names: it may number sites the pack's Site does not know.
@@ -185,26 +185,36 @@ def _engine_plan(engine, module, setting: Setting, context) -> Plan:
               f"selects; not compared: {', '.join(label(n) for n in sorted(memory & set(names)))} ({MEMORY_WHY})"
               + (f"; off: {', '.join(label(n) for n in off)}" if off else "")
               + f"; report every {setting.every} calls and at exit, {when(context)}; shown from its source: "
-              + "; ".join(shown) + f"; {upstream_sync.describe_groups(groups)}")
+              + "; ".join(shown) + f"; {groups_proof.describe_groups(groups)}")
     owner = contract.attr("SpecTpSync")
     patches = [Patch(owner, "sync", compare_sync(setting.every, setting.abort))]
+    short = f"compares sites {spans(compared)} (SpecTpSync.sync)"
     if own:  # beside the engine's sites: the pack's broadcast, which serves only its own sites here
         patches.append(Patch(pack, "broadcast", before_0_5_19.compare_broadcast(setting.every, setting.abort)))
         detail += f"; the pack's own {labels(own)} compared at {pack.__name__}.broadcast"
+        short += f", {spans(own)} (the pack's broadcast)"
     dump, dump_detail = watchdog_dump.patch(engine)
     detail += abort_detail(setting, CONSENSUS_WHY) + f"; {dump_detail}"
-    return Plan("applied", detail, patches + [dump])
+    return Plan("applied", detail, patches + [dump], short_reason=short)
+
+
+def short_tail(setting: Setting) -> str:
+    """How often the report is read, and the abort, in the short reason's words."""
+    return f"; reports every {setting.every} calls" + ("; abort: stops at the first divergence" if setting.abort else "")
 
 
 def check(engine, setting: Setting, context) -> Plan:
     """What comparing every active broadcast site takes on `engine`; patches nothing."""
-    modules = target_modules(NAME, engine, ((upstream_sync.MODULE, False),))
-    if upstream_sync.MODULE in modules:
-        sites = _engine_plan(engine, modules[upstream_sync.MODULE], setting, context)
+    modules = target_modules(NAME, engine, ((engine_class.MODULE, False),))
+    if engine_class.MODULE in modules:
+        sites = _engine_plan(engine, modules[engine_class.MODULE], setting, context)
     else:
         sites = before_0_5_19.plan(engine, setting, context)
     # the pack's report site 30, beside the broadcast sites on every release
-    return combine(NAME, engine.version, [sites, graph_key.plan(engine, setting.every, setting.abort)])
+    graph = graph_key.plan(engine, setting.every, setting.abort)
+    plan = combine(NAME, engine.version, [sites, graph])
+    plan.short_reason = f"{sites.short_reason}, {graph.short_reason}{short_tail(setting)}"
+    return plan
 
 
 

@@ -9,7 +9,7 @@ from ..engine.contract import POSITIONAL, Contract, Refused
 from ..framework.plan import Patch, Plan
 from ..spectpsync import broadcast as pack
 from ..spectpsync.broadcast import SERVED_ELSEWHERE
-from ..spectpsync.sites import REPORT_ONLY, Site, labels
+from ..spectpsync.sites import REPORT_ONLY, Site, labels, spans
 from . import divergence
 # The package defines these before it imports this file.
 from . import FLAG, NAME, NOT_COMPARED_BEFORE_19, abort_detail, one_rank, watchdog_dump, when
@@ -66,4 +66,4 @@ def plan(engine, setting, context) -> Plan:
     detail += abort_detail(setting, "this release has no rank-consensus checker (0.5.19+)") + f"; {dump_detail}"
     return Plan("applied", detail,
                 [Patch(pack, "broadcast", compare_broadcast(setting.every, setting.abort)),
-                 dump])
+                 dump], short_reason=f"compares sites {spans(compared)} (the pack's broadcast)")

@@ -1,6 +1,7 @@
 """The pack's report site 30:pack-decode-graph-key: the decode graph key a target forward
-replays, compared across the TP ranks (issue 23, part 2; upstream PR sgl-project/sglang#31195,
-open, compares the per-rank `Decode graph replay: worker=target key_size=...` log lines).
+replays, compared across the TP ranks (ranks that replay different graphs diverge or hang, and
+no release compares the key; upstream PR sgl-project/sglang#31195, open, compares the
+per-rank `Decode graph replay: worker=target key_size=...` log lines).
 
 The key is what `DecodeCudaGraphRunner.load_batch` picks (`self._replay_graph_key =
 self._make_graph_key(graph_size_key, ...)`: the padded batch size, or under ragged verify
@@ -145,4 +146,5 @@ def plan(engine, every: int, abort: bool = False) -> Plan:
               f"the groups: {parallel_groups.check(NAME, engine)}")
     compare = functools.partial(compare_forward, every, batch_group, abort=abort)
     return Plan("applied", detail, [Patch(runner.attr("ModelRunner"), "_forward_raw", compare),
-                                    Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)])
+                                    Patch(graph.attr("DecodeCudaGraphRunner"), "execute", note_replayed)],
+                short_reason=f"{int(SITE)} (decode graph key)")

@@ -3,8 +3,9 @@
 #   run(command="cd .wt15 && bash bench/gpu/divergence.sh", carry=[".wt15"])
 # tests/test_divergence_gpu.py and bench/divergence_cost.py (GPU mode), the pack from this tree and
 # sglang 0.5.23 from its sources (setup.sh); logs and JSON under $OUT. BENCH_ARGS go to the benchmark.
-# The kernel library (the report's fused comparison, issue 26) is built first with the image's own
-# command into /opt/sglang-dsv41 and named by SGLANG_ADAPTERS_SNAPSHOT_KERNEL (KERNEL=0: not built).
+# The kernel library (the report's fused comparison: one launch per site call) is built first
+# with the image's own command into /opt/sglang-dsv41 and named by SGLANG_ADAPTERS_SNAPSHOT_KERNEL
+# (KERNEL=0: not built).
 set -uo pipefail
 source .gpu/setup.sh
 export PYTHONPATH=$PWD:$ENGINE_PATH

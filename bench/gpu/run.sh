@@ -19,9 +19,9 @@ K80=/opt/sglang-dsv41-sm80/dsv41_accept_snapshot.so
   $PY -m pip install -q --no-index --no-deps --no-compile --target /opt/pack .dist/*.whl && ls /opt/pack
 } 2>&1 | tee $OUT/env.txt
 
-build() {  # the Dockerfile's kernel step: python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build ...
+build() {  # the Dockerfile's kernel step: sglang-adapters build-kernel ... (the console script pip put in /opt/pack/bin)
   SGLANG_ADAPTERS_SNAPSHOT_KERNEL=$1 PYTHONPATH=/opt/pack MAX_JOBS=8 \
-    $PY -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build --archs "$2" --allow-clones 0
+    /opt/pack/bin/sglang-adapters build-kernel --archs "$2" --allow-clones 0
 }
 start=$(date +%s)
 { build $K "9.0 10.0" & image=$!; build $K80 "8.0" & sm80=$!

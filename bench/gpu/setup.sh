@@ -30,7 +30,7 @@ build_kernel_file() {
   export SGLANG_ADAPTERS_SNAPSHOT_KERNEL=/opt/sglang-dsv41/dsv41_accept_snapshot.so
   chmod -R u+w /opt/sglang-dsv41 2>/dev/null; rm -f $SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # a warm machine's last build
   if [ "${KERNEL:-1}" != 0 ]; then
-    timeout -k 10 120 env MAX_JOBS=16 python3 -P -m sglang_dsv41_adapters.folded_fence.accept_snapshot build --allow-clones 0 \
+    timeout -k 10 120 env MAX_JOBS=16 python3 -P entrypoint.py build-kernel --allow-clones 0 \
       2>&1 | tee $OUT/kernel_build.log | tail -3
   else
     unset SGLANG_ADAPTERS_SNAPSHOT_KERNEL  # the default path is gone too: the old paths serve, the tests expect them

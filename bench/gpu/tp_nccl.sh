@@ -1,5 +1,5 @@
-# Issue 16 on a lent machine with 2 or more GPUs (NCCL), from the folder bench/gpu/bundle.sh
-# filled (this tree + .gpu/ .whl/ .dist/):
+# The broadcast sites over real NCCL inside captured CUDA graphs, on a lent machine with 2 or more
+# GPUs, from the folder bench/gpu/bundle.sh filled (this tree + .gpu/ .whl/ .dist/):
 #   bash bench/gpu/bundle.sh            (in /work/main, after merging)
 #   run(command="bash bench/gpu/tp_nccl.sh", carry=[".gpu", ".whl", ".dist"], kind="nvidia-h200-x2")
 # tests/test_tp_nccl.py (its NCCL tests; world = every visible GPU), tests/test_divergence_gpu.py
@@ -7,10 +7,10 @@
 # the pack from this tree and sglang 0.5.23 from its sources (setup.sh); the test's 0.5.18 ranks put
 # ENGINE18_PATH (0.5.18's sources and pins, setup.sh) first on sys.path. Logs and JSON under $OUT;
 # PYTEST_K narrows the tests (default: every NCCL one), BENCH=0 skips the benchmarks; DFLASH_BENCH=0
-# skips only bench/dflash_draft_drift.py (issue 23: the pack's own site 31 over NCCL, 120 skewed
+# skips only bench/dflash_draft_drift.py (the pack's own site 31 over NCCL, 120 skewed
 # cases per path off/on, its cost eager and captured beside the bare broadcast).
 # The kernel library (the fence's copy, the broadcast's one-launch block, the divergence report's
-# fused comparison: issue 26) is built first with the image's own command and default archs into
+# fused comparison: one launch each) is built first with the image's own command and default archs into
 # /opt/sglang-dsv41; SGLANG_ADAPTERS_SNAPSHOT_KERNEL names it to every spawned rank (KERNEL=0: not
 # built, the old paths serve and say so).
 # NVLink multicast stays off in every process (here, and again in each spawned rank).

@@ -1,0 +1,703 @@
+// The library's host side: its Python module, and C forms of the pack's Python checks (no CUDA).
+//
+// Compiled with accept_snapshot.cu into one library (folded_fence/accept_snapshot.py), with torch's
+// pybind casters only, not all of torch/extension.h (a third of the compile time). Besides binding
+// the CUDA side, it holds host-side C++ over the CPython API:
+// - the boundary check's native scan (fence_boundary): `boundary_scan(...)` binds the walk's tables
+//   and one epilogue's memory map, and returns a plain CPython callable `scan(result, epilogue)`:
+//   True only where the map still holds (fence_boundary._fresh) and fence_boundary's Python walk
+//   would find no route and report nothing; False (unsure) for anything it does not read exactly as
+//   that walk does, which then runs the walk;
+// - `boundary_check(...)`: fence_boundary.check_results in C over those scans;
+// - `report_sync(...)`: tp_divergence's wrapper of SpecTpSync.sync in C (its common eager call);
+// - `views_check()`: the cheap form's per-call test of its cached views (views_current).
+// Each hands its Python form what it does not do itself.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <c10/core/impl/COW.h>
+#include <structmember.h>
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+// accept_snapshot.cu
+std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& srcs);
+void empty_launch();
+std::vector<at::Tensor> pack(const std::vector<at::Tensor>& srcs);
+bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at::Tensor>& theirs,
+                      const at::Tensor& counts, int64_t row, bool settle);
+bool count_pair(const at::Tensor& mine, const at::Tensor& theirs, const at::Tensor& counts, int64_t row,
+                bool settle);
+at::Tensor receive(const at::Tensor& like);
+// Written by the build: "archs=...;source=...;torch=..." (the loader checks it).
+std::string build_info();
+
+namespace {
+// One holder of the epilogue's memory as fence_boundary._map walked it.
+struct Node {
+  PyObject* holder;              // nullptr: the epilogue itself
+  std::vector<PyObject*> slots;  // the values it held, or the free / beyond markers (owned references)
+  // A holder read from its instance slots alone (a msgspec struct, a slotted class): the type and
+  // version tag it had when found so, and the slots' offsets; compared in place while both hold.
+  mutable PyTypeObject* slots_type = nullptr;
+  mutable unsigned int slots_tag = 0;
+  mutable const std::vector<Py_ssize_t>* offsets = nullptr;
+};
+
+// How a holder type's layout names read: the instance slots a getattr of each would return,
+// valid while the type's version tag is `tag` (any change to the type or a base gives it a new one).
+struct SlotReads {
+  unsigned int tag = 0;
+  bool direct = false;             // false: each name read by getattr
+  std::vector<Py_ssize_t> offsets;
+};
+
+struct BoundaryScan {
+  mutable std::unordered_map<PyTypeObject*, SlotReads> slot_reads;  // keyed by type, checked by tag
+  PyObject* kinds;    // holders.KINDS: type -> kind (owned references, all of them)
+  PyObject* layouts;  // holders._layouts: type -> (names outside __dict__, has __dict__)
+  PyObject *leaf, *tensor, *sequence, *mapping, *holder;  // the kind strings, compared by identity
+  PyObject *plain_tensor, *parameter;                     // the tensor types read directly
+  PyObject* dict_name;
+  PyObject* owner;                  // a weak reference to the epilogue (or the epilogue, where it takes none)
+  PyObject *free, *beyond, *any;    // fence_boundary._FREE, _BEYOND and _ANY
+  std::vector<Node> nodes;          // the epilogue's memory as mapped ...
+  std::vector<PyObject*> tensors;   // ... the tensors in it ...
+  std::vector<uintptr_t> addresses; // ... and their storages' addresses then
+  std::vector<uintptr_t> storages;  // the map's storages
+  int max_depth;
+  long max_values;
+  ~BoundaryScan() {
+    for (PyObject* o : {kinds, layouts, leaf, tensor, sequence, mapping, holder, plain_tensor, parameter, dict_name,
+                        owner, free, beyond, any}) Py_XDECREF(o);
+    for (Node& n : nodes) {
+      Py_XDECREF(n.holder);
+      for (PyObject* o : n.slots) Py_XDECREF(o);
+    }
+    for (PyObject* o : tensors) Py_XDECREF(o);
+  }
+};
+
+// Where a tensor's storage lies; false where it has none to read here (data_ptr() would
+// materialize a copy-on-write one).
+bool address_of(const at::Tensor& t, uintptr_t& address) {
+  if (!t.has_storage()) return false;
+  const c10::Storage& storage = t.storage();
+  if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return false;
+  address = reinterpret_cast<uintptr_t>(storage.data());
+  return true;
+}
+
+// Each item a list or tuple `h` stores, then each value a dict `d` stores, handed to `f` (kept
+// alive around the call; its false stops the reading and is returned).
+template <typename F>
+bool each_item(PyObject* h, F&& f) {
+  const bool list = PyList_Check(h);
+  for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(h) : PyTuple_GET_SIZE(h)); ++i) {
+    PyObject* v = list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i);
+    Py_INCREF(v);
+    const bool go_on = f(v);
+    Py_DECREF(v);
+    if (!go_on) return false;
+  }
+  return true;
+}
+
+template <typename F>
+bool each_stored(PyObject* d, F&& f) {
+  const Py_ssize_t size = PyDict_GET_SIZE(d);
+  Py_ssize_t at = 0;
+  PyObject *key, *v;
+  while (PyDict_Next(d, &at, &key, &v)) {
+    Py_INCREF(v);
+    const bool go_on = f(v);
+    Py_DECREF(v);
+    if (!go_on || PyDict_GET_SIZE(d) != size) return false;
+  }
+  return true;
+}
+
+// The slot offsets of `names` where getattr(h, name) of an instance of `tp` is a plain read of
+// the instance's slot: the generic getattr, and each name a member descriptor of an object slot
+// (msgspec struct fields and __slots__ are); nullptr where any is not, and getattr serves. A
+// struct's fields read this way cost a load each instead of a lookup and a call, on every step.
+const std::vector<Py_ssize_t>* slot_offsets(const BoundaryScan& s, PyTypeObject* tp, PyObject* names) {
+  if (tp->tp_getattro != PyObject_GenericGetAttr || PyTuple_GET_SIZE(names) == 0) return nullptr;
+  SlotReads& reads = s.slot_reads[tp];
+  if (reads.tag == 0 || reads.tag != tp->tp_version_tag) {
+    reads = SlotReads{};
+    bool direct = true;
+    for (Py_ssize_t i = 0; direct && i < PyTuple_GET_SIZE(names); ++i) {
+      PyObject* found = _PyType_Lookup(tp, PyTuple_GET_ITEM(names, i));  // borrowed; sets the tag
+      const PyMemberDef* member = found != nullptr && Py_TYPE(found) == &PyMemberDescr_Type
+          ? reinterpret_cast<PyMemberDescrObject*>(found)->d_member : nullptr;
+      direct = member != nullptr && member->type == T_OBJECT_EX && !(member->flags & PY_AUDIT_READ);
+      if (direct) reads.offsets.push_back(member->offset);
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    reads.tag = tp->tp_version_tag;  // after the lookups, which give the type one where it had none
+    reads.direct = direct && reads.tag != 0;
+  }
+  return reads.direct ? &reads.offsets : nullptr;
+}
+
+// holders.items(h)'s values, in its order, each handed to `f` (its false stops the reading); false
+// also where h is not read here exactly as holders.items reads it.
+template <typename F>
+bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
+  PyTypeObject* tp = Py_TYPE(h);
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
+  if (kind == nullptr) return false;
+  if (kind == s.leaf || kind == s.tensor) return true;  // items() gives nothing
+  if (kind == s.sequence) {  // enumerate(h): the base type's own iterator only
+    const bool list = PyList_Check(h) && tp->tp_iter == PyList_Type.tp_iter;
+    if (!list && !(PyTuple_Check(h) && tp->tp_iter == PyTuple_Type.tp_iter)) return false;
+    return each_item(h, f);
+  }
+  if (kind == s.mapping) return PyDict_CheckExact(h) && each_stored(h, f);  // a subclass may read otherwise
+  if (kind != s.holder) return false;
+  PyObject* layout = PyDict_GetItemWithError(s.layouts, (PyObject*)tp);
+  if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2) return false;
+  PyObject* names = PyTuple_GET_ITEM(layout, 0);
+  if (!PyTuple_CheckExact(names)) return false;
+  if (const std::vector<Py_ssize_t>* offsets = slot_offsets(s, tp, names)) {
+    for (Py_ssize_t offset : *offsets) {  // what getattr(h, name, _UNSET) returns, read from the slot
+      PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
+      if (v == nullptr) continue;  // unset: getattr raises AttributeError, the walk skips it
+      Py_INCREF(v);
+      const bool go_on = f(v);
+      Py_DECREF(v);
+      if (!go_on) return false;
+    }
+  } else {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); ++i) {  // getattr(h, name, _UNSET)
+      PyObject* v = PyObject_GetAttr(h, PyTuple_GET_ITEM(names, i));
+      if (v == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return false;
+        PyErr_Clear();
+        continue;
+      }
+      const bool go_on = f(v);
+      Py_DECREF(v);
+      if (!go_on) return false;
+    }
+  }
+  if (PyTuple_GET_SIZE(names) != 0 && PyTuple_GET_ITEM(layout, 1) != Py_True) return true;
+  PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
+  if (d == nullptr) return false;
+  const bool done = PyDict_CheckExact(d) && each_stored(d, f);
+  Py_DECREF(d);
+  return done;
+}
+
+// The slot offsets each_value reads `h` by where that is all it reads (a holder whose layout has
+// no __dict__, read from its slots: not a list, tuple or dict), else nullptr.
+const std::vector<Py_ssize_t>* slots_only(const BoundaryScan& s, PyObject* h) {
+  PyTypeObject* tp = Py_TYPE(h);
+  if (PyList_Check(h) || PyTuple_Check(h) || PyDict_Check(h)) return nullptr;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
+  PyObject* layout = kind == s.holder ? PyDict_GetItemWithError(s.layouts, (PyObject*)tp) : nullptr;
+  if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2 ||
+      PyTuple_GET_ITEM(layout, 1) != Py_False || !PyTuple_CheckExact(PyTuple_GET_ITEM(layout, 0))) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    return nullptr;
+  }
+  return slot_offsets(s, tp, PyTuple_GET_ITEM(layout, 0));
+}
+
+// fence_boundary._held: what a holder of the epilogue's memory holds, a list's, tuple's or
+// dict's own storage whatever its type (an OrderedDict of nn.Module's hooks too), else
+// holders.items(h).
+template <typename F>
+bool each_held(const BoundaryScan& s, PyObject* h, F&& f) {
+  if (PyList_Check(h) || PyTuple_Check(h)) return each_item(h, f);
+  if (PyDict_Check(h)) return each_stored(h, f);
+  return each_value(s, h, f);
+}
+
+struct Walk {
+  const BoundaryScan& s;
+  PyObject* epilogue;
+  long left;
+  bool value(PyObject* v, int level);
+  bool holder(PyObject* h, int level) {
+    return each_value(s, h, [&](PyObject* v) { return value(v, level); });
+  }
+};
+
+// One value a holder at `level` holds: true where the Python walk skips it or finds it clean.
+bool Walk::value(PyObject* v, int level) {
+  if (v == Py_None) return true;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  if (kind == nullptr) return false;  // a type the walk has not met: it fills KINDS
+  if (kind == s.leaf || v == epilogue) return true;
+  if (--left < 0) return false;  // the walk's cut
+  if (kind == s.tensor) {
+    PyObject* tp = (PyObject*)Py_TYPE(v);
+    if (tp != s.plain_tensor && tp != s.parameter) return false;  // a subclass may answer otherwise
+    uintptr_t address;
+    return address_of(THPVariable_Unpack(v), address) &&
+           std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end();
+  }
+  if (level >= s.max_depth) return false;  // too deep: the walk reports it
+  return holder(v, level + 1);
+}
+
+bool is_leaf(const BoundaryScan& s, PyObject* v) {
+  // None, int, bool, float, str: leaves by holders' own rule, whatever KINDS has met (no lookup)
+  if (v == Py_None || PyLong_CheckExact(v) || PyBool_Check(v) || PyFloat_CheckExact(v) || PyUnicode_CheckExact(v)) {
+    return true;
+  }
+  return PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v)) == s.leaf;
+}
+
+// fence_boundary._same: `v` may stand where the map found `slot`.
+bool same_slot(const BoundaryScan& s, PyObject* v, PyObject* slot) {
+  if (v == slot || slot == s.any) return true;
+  if (slot == s.free) {
+    if (!PyTuple_CheckExact(v)) return is_leaf(s, v);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v); ++i) {
+      if (!is_leaf(s, PyTuple_GET_ITEM(v, i))) return false;
+    }
+    return true;
+  }
+  if (slot != s.beyond) return false;
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  return kind != nullptr && kind != s.tensor;
+}
+
+// fence_boundary._fresh: the same epilogue, every holder mapped holding what it held, every
+// tensor over the storage it had (a buffer re-pointed in place is the same object over other memory).
+bool same_state(const BoundaryScan& s, PyObject* epilogue) {
+  if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
+  for (const Node& n : s.nodes) {
+    PyObject* h = n.holder ? n.holder : epilogue;
+    size_t at = 0;
+    if (n.offsets != nullptr && Py_TYPE(h) == n.slots_type && n.slots_tag == n.slots_type->tp_version_tag) {
+      for (Py_ssize_t offset : *n.offsets) {  // each_value's reading, without its lookups
+        PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
+        if (v != nullptr && (at >= n.slots.size() || !same_slot(s, v, n.slots[at++]))) return false;
+      }
+      if (at != n.slots.size()) return false;
+      continue;
+    }
+    const bool read = each_held(s, h, [&](PyObject* v) {
+      return at < n.slots.size() && same_slot(s, v, n.slots[at++]);
+    });
+    if (!read || at != n.slots.size()) return false;
+    n.offsets = slots_only(s, h);
+    n.slots_type = Py_TYPE(h);
+    n.slots_tag = n.offsets != nullptr ? Py_TYPE(h)->tp_version_tag : 0;
+  }
+  for (size_t i = 0; i < s.tensors.size(); ++i) {  // the storage itself, whatever a subclass would say
+    uintptr_t address;
+    PyObject* tensor = s.tensors[i];
+    const bool plain = Py_TYPE(tensor) == (PyTypeObject*)s.plain_tensor || Py_TYPE(tensor) == (PyTypeObject*)s.parameter;
+    if (!(plain || THPVariable_Check(tensor)) || !address_of(THPVariable_Unpack(tensor), address) ||
+        address != s.addresses[i]) return false;
+  }
+  return true;
+}
+
+const char kScanCapsule[] = "dsv41.boundary_scan";
+
+// True only where the Python walk would find no route and say nothing; never raises.
+bool scan_clean(const BoundaryScan& s, PyObject* result, PyObject* epilogue) {
+  bool clean = false;
+  try {
+    Walk walk{s, epilogue, s.max_values};
+    clean = same_state(s, epilogue) && walk.holder(result, 1);
+  } catch (...) {
+    clean = false;
+  }
+  if (PyErr_Occurred()) PyErr_Clear();  // whatever failed: unsure, never raised
+  return clean;
+}
+
+PyObject* scan_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "scan(result, epilogue)");
+    return nullptr;
+  }
+  auto* s = static_cast<BoundaryScan*>(PyCapsule_GetPointer(self, kScanCapsule));
+  if (s == nullptr) return nullptr;
+  if (scan_clean(*s, args[0], args[1])) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
+PyMethodDef kScanMethod = {"boundary_scan", (PyCFunction)(void (*)(void))scan_call, METH_FASTCALL,
+                           "scan(result, epilogue) -> True: nothing in result shares the epilogue's storages (exact), "
+                           "False: unsure, run the Python walk"};
+
+// A capsule's destructor: deletes the state it owns (its name is the one it was made with).
+template <typename State>
+void drop(PyObject* capsule) {
+  delete static_cast<State*>(PyCapsule_GetPointer(capsule, PyCapsule_GetName(capsule)));
+}
+
+// fence_boundary.check_results with its clean step in C: wrapt calls it as
+// check(wrapped, instance, args, kwargs). It calls through, reads the instance's epilogue as
+// getattr(instance, name, None) does, and returns the result where there is nothing to check
+// or the epilogue's bound scan (in fence_boundary's map, storages[id(epilogue)][4]) says
+// clean; anything else goes to `checked(result, epilogue)`, the Python form's rest.
+struct BoundaryCheck {
+  PyObject* storages;  // fence_boundary._storages (owned references, all three)
+  PyObject* checked;
+  PyObject* name;
+  ~BoundaryCheck() {
+    for (PyObject* o : {storages, checked, name}) Py_XDECREF(o);
+  }
+};
+
+const char kCheckCapsule[] = "dsv41.boundary_check";
+
+// The epilogue's bound scan from the map (a new reference), or nullptr where it holds none.
+PyObject* bound_scan(const BoundaryCheck& c, PyObject* epilogue) {
+  PyObject* key = PyLong_FromVoidPtr(epilogue);  // id(epilogue)
+  if (key == nullptr) return nullptr;
+  PyObject* cached = PyDict_GetItemWithError(c.storages, key);
+  Py_DECREF(key);
+  if (cached == nullptr || !PyTuple_CheckExact(cached) || PyTuple_GET_SIZE(cached) != 7) return nullptr;
+  PyObject* scan = PyTuple_GET_ITEM(cached, 4);
+  if (!PyCFunction_Check(scan) || PyCFunction_GET_FUNCTION(scan) != (PyCFunction)(void (*)(void))scan_call) return nullptr;
+  Py_INCREF(scan);  // the walk may run Python (a property) that drops it from the map
+  return scan;
+}
+
+PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* c = static_cast<BoundaryCheck*>(PyCapsule_GetPointer(self, kCheckCapsule));
+  if (c == nullptr) return nullptr;
+  if (nargs != 4 || !PyTuple_Check(args[2]) || (args[3] != Py_None && !PyDict_Check(args[3]))) {
+    PyErr_SetString(PyExc_TypeError, "check(wrapped, instance, args: tuple, kwargs: dict or None)");
+    return nullptr;
+  }
+  PyObject* result = PyObject_Call(args[0], args[2], args[3] == Py_None ? nullptr : args[3]);
+  if (result == nullptr) return nullptr;
+  PyObject* epilogue = PyObject_GetAttr(args[1], c->name);
+  if (epilogue == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      Py_DECREF(result);
+      return nullptr;  // as getattr(instance, name, None) raises it
+    }
+    PyErr_Clear();
+    return result;
+  }
+  if (epilogue == Py_None || result == Py_None || result == epilogue) {
+    Py_DECREF(epilogue);
+    return result;
+  }
+  PyObject* scan = bound_scan(*c, epilogue);
+  if (PyErr_Occurred()) PyErr_Clear();
+  bool clean = false;
+  if (scan != nullptr) {
+    clean = scan_clean(*static_cast<BoundaryScan*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(scan), kScanCapsule)),
+                       result, epilogue);
+    Py_DECREF(scan);
+  }
+  if (clean) {
+    Py_DECREF(epilogue);
+    return result;
+  }
+  PyObject* out = PyObject_CallFunctionObjArgs(c->checked, result, epilogue, nullptr);
+  Py_DECREF(result);
+  Py_DECREF(epilogue);
+  return out;
+}
+
+PyMethodDef kCheckMethod = {"boundary_check", (PyCFunction)(void (*)(void))check_call, METH_FASTCALL,
+                            "check(wrapped, instance, args, kwargs) -> the wrapped call's result, checked"};
+
+// fence_forms' trusted cheap form, at each call: views_check()(cached, live, was) is True where
+// each buffer the epilogue holds now (`live`) is the very object its views were cut from
+// (`cached`) over the memory it had then (`was`: an alias taken when they were cut): the same
+// storage address, offset, sizes, strides, dtype, device and conj/neg bits, so its views are
+// still what read_accept would cut. A few integers per buffer, nothing allocated; False for
+// anything else (the engine's path then runs, and proves new views).
+bool same_memory(PyObject* buffer, PyObject* was) {
+  if (!THPVariable_Check(buffer) || !THPVariable_Check(was)) return false;
+  const at::Tensor& b = THPVariable_Unpack(buffer);
+  const at::Tensor& w = THPVariable_Unpack(was);
+  uintptr_t mine, then;
+  return address_of(b, mine) && address_of(w, then) && mine == then && b.storage_offset() == w.storage_offset() &&
+         b.dtype() == w.dtype() && b.device() == w.device() && b.is_conj() == w.is_conj() && b.is_neg() == w.is_neg() &&
+         b.sizes().equals(w.sizes()) && b.strides().equals(w.strides());
+}
+
+PyObject* views_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) {
+    Py_RETURN_FALSE;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+  if (PyTuple_GET_SIZE(args[1]) != n || PyTuple_GET_SIZE(args[2]) != n) Py_RETURN_FALSE;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* buffer = PyTuple_GET_ITEM(args[1], i);
+      if (buffer != PyTuple_GET_ITEM(args[0], i) || !same_memory(buffer, PyTuple_GET_ITEM(args[2], i))) Py_RETURN_FALSE;
+    }
+  } catch (...) {
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef kViewsMethod = {"views_check", (PyCFunction)(void (*)(void))views_call, METH_FASTCALL,
+                            "check(cached, live, was) -> True: each live buffer is cached[i] over was[i]'s memory"};
+
+// A C callable over a capsule that owns `state`: what boundary_scan, boundary_check and
+// report_sync return.
+template <typename State>
+pybind11::object bound_function(State* state, const char* name, PyMethodDef* method) {
+  PyObject* capsule = PyCapsule_New(state, name, drop<State>);
+  if (capsule == nullptr) {
+    delete state;
+    throw pybind11::error_already_set();
+  }
+  PyObject* function = PyCFunction_New(method, capsule);
+  Py_DECREF(capsule);
+  if (function == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(function);
+}
+
+// tp_divergence's wrapper around SpecTpSync.sync(site, values) with its common eager call in
+// C: the call the Python form (`slow`) would make with the kernel library serving, abort off,
+// the site labelled, the device's counters made, a contiguous CUDA value. It reads the
+// report's state from divergence's module dict, asks the engine `instance.enabled(site)`,
+// broadcasts through `wrapped` (rank 0 its own value, another rank into the kept receive
+// block), counts with one count_pair launch and adds the call to `_calls`; where a read is
+// due or in flight, the call is a first of some kind, or the kernel declines the values,
+// `after(number, slug, mine, theirs or None, settle, every)` (divergence._after_count) does
+// the rest. Anything else is `slow`'s.
+struct ReportSync {
+  PyObject *slow, *state, *library, *after;  // owned references
+  long every;
+  ~ReportSync() {
+    for (PyObject* o : {slow, state, library, after}) Py_XDECREF(o);
+  }
+};
+
+const char kReportCapsule[] = "dsv41.report_sync";
+
+// The attribute and state names the calls read, interned once for the process. Made first by
+// report_sync() (where a failure may raise), so a call never meets an unmade one.
+struct ReportNames {
+  PyObject *tallies, *counts, *started, *reading, *slugs, *calls, *enabled, *group, *rank, *stopped, *kernel, *abort,
+      *labels;
+};
+
+PyObject* interned(const char* name) {
+  PyObject* s = PyUnicode_InternFromString(name);
+  if (s == nullptr) throw pybind11::error_already_set();
+  return s;
+}
+
+const ReportNames& names() {
+  static const ReportNames made{interned("_tallies"), interned("counts"), interned("_started"), interned("_reading"),
+                                interned("_slugs"), interned("_calls"), interned("enabled"), interned("_tp_group"),
+                                interned("rank_in_group"), interned("_stopped"), interned("_kernel"), interned("_abort"),
+                                interned("_labels")};
+  return made;
+}
+
+// The state entry `name` (borrowed), nullptr where absent.
+PyObject* state_of(const ReportSync& r, PyObject* name) {
+  return PyDict_GetItemWithError(r.state, name);
+}
+
+// The device's counter tensor from divergence._tallies (keyed by device index), a new
+// reference, or nullptr.
+PyObject* counts_of(const ReportSync& r, int64_t device) {
+  PyObject* table = state_of(r, names().tallies);
+  if (table == nullptr || !PyDict_CheckExact(table)) return nullptr;
+  PyObject* key = PyLong_FromLongLong(device);
+  if (key == nullptr) return nullptr;
+  PyObject* tally = PyDict_GetItemWithError(table, key);
+  Py_DECREF(key);
+  if (tally == nullptr) return nullptr;
+  PyObject* tensor = PyObject_GetAttr(tally, names().counts);
+  if (tensor != nullptr && !THPVariable_CheckExact(tensor)) Py_CLEAR(tensor);
+  return tensor;
+}
+
+// observe's bookkeeping after a counted call: only `_calls += 1` where that is all it would
+// do (not a first call, no read due or in flight); else divergence's `after` does it all.
+PyObject* count_the_call(const ReportSync& r, PyObject* label, PyObject* values) {
+  const ReportNames& n = names();
+  PyObject* number = PyTuple_GET_ITEM(label, 0);
+  PyObject* total = state_of(r, n.calls);
+  PyObject* known = state_of(r, n.slugs);
+  const long long next = total != nullptr && PyLong_CheckExact(total) ? PyLong_AsLongLong(total) + 1 : -1;
+  if (next > 0 && next % r.every != 0 && state_of(r, n.started) == Py_True && state_of(r, n.reading) == Py_False &&
+      known != nullptr && PyDict_Contains(known, number) == 1) {
+    PyObject* updated = PyLong_FromLongLong(next);
+    const int failed = updated == nullptr ? -1 : PyDict_SetItem(r.state, n.calls, updated);
+    Py_XDECREF(updated);
+    return failed ? nullptr : Py_NewRef(Py_None);
+  }
+  if (PyErr_Occurred()) return nullptr;
+  return PyObject_CallFunction(r.after, "OOOOOl", number, PyTuple_GET_ITEM(label, 1), values, Py_None, Py_False, r.every);
+}
+
+// receive() and count_pair() for a CPython caller: a C++ exception becomes a Python one.
+PyObject* receive_for(const at::Tensor& mine) {
+  try {
+    return THPVariable_Wrap(receive(mine));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+int count_for(const at::Tensor& mine, const at::Tensor& theirs, const at::Tensor& counts, int64_t row, bool settle) {
+  try {
+    return count_pair(mine, theirs, counts, row, settle) ? 1 : 0;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return -1;
+  }
+}
+
+// The call once the site is labelled and the device's counters exist, as the Python form makes it.
+PyObject* counted_call(const ReportSync& r, PyObject* const* args, PyObject* label, const at::Tensor& counts) {
+  const ReportNames& n = names();
+  PyObject *wrapped = args[0], *instance = args[1], *site = PyTuple_GET_ITEM(args[2], 0),
+           *values = PyTuple_GET_ITEM(args[2], 1);
+  const at::Tensor& mine = THPVariable_Unpack(values);
+  PyObject* on = PyObject_CallMethodOneArg(instance, n.enabled, site);
+  const int broadcasts = on == nullptr ? -1 : PyObject_IsTrue(on);
+  Py_XDECREF(on);
+  if (broadcasts <= 0) return broadcasts < 0 ? nullptr : PyObject_Call(wrapped, args[2], nullptr);
+  PyObject* tp_group = PyObject_GetAttr(instance, n.group);
+  PyObject* rank_object = tp_group == nullptr ? nullptr : PyObject_GetAttr(tp_group, n.rank);
+  Py_XDECREF(tp_group);
+  const long my_rank = rank_object == nullptr ? -1 : PyLong_AsLong(rank_object);
+  Py_XDECREF(rank_object);
+  const int64_t number = PyLong_AsLongLong(PyTuple_GET_ITEM(label, 0));
+  if (PyErr_Occurred()) return nullptr;
+  const bool settle = my_rank != 0;  // rank 0 sends its own value; another receives rank 0's apart
+  PyObject* sent = settle ? receive_for(mine) : Py_NewRef(values);
+  if (sent == nullptr) return nullptr;
+  PyObject* result = PyObject_CallFunctionObjArgs(wrapped, site, sent, nullptr);
+  Py_DECREF(sent);
+  if (result == nullptr) return nullptr;
+  // sync is shown to return its argument: anything else, or values the kernel declines, observe counts
+  const int counted = THPVariable_CheckExact(result) ? count_for(mine, THPVariable_Unpack(result), counts, number, settle) : 0;
+  PyObject* done = counted < 0 ? nullptr
+      : counted ? count_the_call(r, label, values)
+      : PyObject_CallFunction(r.after, "OOOOOl", PyTuple_GET_ITEM(label, 0), PyTuple_GET_ITEM(label, 1), values,
+                              result, settle ? Py_True : Py_False, r.every);
+  if (done == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  Py_DECREF(done);
+  if (!settle) return result;  // rank 0's own value, as sync returned it
+  Py_DECREF(result);
+  return Py_NewRef(values);  // rank 0's value, written over this rank's own
+}
+
+PyObject* report_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  const ReportNames& n = names();
+  auto* r = static_cast<ReportSync*>(PyCapsule_GetPointer(self, kReportCapsule));
+  if (r == nullptr) return nullptr;
+  // the Python form's own reading of the call: sync(site, values), positionally
+  const bool plain_call = nargs == 4 && PyTuple_CheckExact(args[2]) && PyTuple_GET_SIZE(args[2]) == 2 &&
+                          (args[3] == Py_None || (PyDict_Check(args[3]) && PyDict_GET_SIZE(args[3]) == 0));
+  PyObject* values = plain_call ? PyTuple_GET_ITEM(args[2], 1) : nullptr;
+  if (values == nullptr || !THPVariable_CheckExact(values) || !THPVariable_Unpack(values).is_cuda() ||
+      !THPVariable_Unpack(values).is_contiguous() || state_of(*r, n.stopped) != Py_None ||
+      state_of(*r, n.kernel) != r->library || state_of(*r, n.abort) != Py_False) {
+    return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(r->slow, args, nargs, nullptr);
+  }
+  PyObject* label = nullptr;
+  PyObject* table = state_of(*r, n.labels);
+  PyObject* key = table == nullptr ? nullptr : PyLong_FromVoidPtr(PyTuple_GET_ITEM(args[2], 0));  // id(site)
+  if (key != nullptr) {
+    label = PyDict_GetItemWithError(table, key);
+    Py_DECREF(key);
+  }
+  PyObject* counts = label != nullptr && PyTuple_CheckExact(label) && PyTuple_GET_SIZE(label) == 2
+      ? counts_of(*r, THPVariable_Unpack(values).get_device()) : nullptr;
+  if (counts == nullptr) {  // a first call at this site or on this device: the Python form labels it, makes the counters
+    return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(r->slow, args, nargs, nullptr);
+  }
+  Py_INCREF(label);  // kept across the engine's Python, with the counters
+  PyObject* out = counted_call(*r, args, label, THPVariable_Unpack(counts));
+  Py_DECREF(label);
+  Py_DECREF(counts);
+  return out;
+}
+
+PyMethodDef kReportMethod = {"report_sync", (PyCFunction)(void (*)(void))report_call, METH_FASTCALL,
+                             "around_sync(wrapped, instance, args, kwargs) -> what SpecTpSync.sync returns, counted"};
+}  // namespace
+
+pybind11::object boundary_check(pybind11::dict storages, pybind11::object checked, pybind11::str name) {
+  auto* c = new BoundaryCheck{storages.inc_ref().ptr(), checked.inc_ref().ptr(), name.inc_ref().ptr()};
+  return bound_function(c, kCheckCapsule, &kCheckMethod);
+}
+
+pybind11::object views_check() {
+  PyObject* function = PyCFunction_New(&kViewsMethod, nullptr);
+  if (function == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(function);
+}
+
+pybind11::object report_sync(pybind11::object slow, pybind11::dict state, pybind11::object library,
+                             pybind11::object after, int64_t every) {
+  TORCH_CHECK(every > 0, "report_sync: every must be positive");
+  names();  // the names its calls read, made here where a failure may raise
+  auto* r = new ReportSync{slow.inc_ref().ptr(), state.inc_ref().ptr(), library.inc_ref().ptr(), after.inc_ref().ptr(),
+                           (long)every};
+  return bound_function(r, kReportCapsule, &kReportMethod);
+}
+
+pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pybind11::tuple kind_names,
+                               pybind11::tuple tensor_types, pybind11::object owner, pybind11::tuple markers,
+                               pybind11::list nodes, pybind11::list tensors, std::vector<uint64_t> addresses,
+                               std::vector<uint64_t> storages, int64_t max_depth, int64_t max_values) {
+  TORCH_CHECK(kind_names.size() == 5 && tensor_types.size() == 2 && markers.size() == 3 &&
+              tensors.size() == addresses.size(), "boundary_scan: bad arguments");
+  auto* s = new BoundaryScan{};
+  auto own = [](pybind11::handle h) { return h.inc_ref().ptr(); };
+  s->kinds = own(kinds);
+  s->layouts = own(layouts);
+  s->leaf = own(kind_names[0]);
+  s->tensor = own(kind_names[1]);
+  s->sequence = own(kind_names[2]);
+  s->mapping = own(kind_names[3]);
+  s->holder = own(kind_names[4]);
+  s->plain_tensor = own(tensor_types[0]);
+  s->parameter = own(tensor_types[1]);
+  s->dict_name = PyUnicode_InternFromString("__dict__");
+  s->owner = own(owner);
+  s->free = own(markers[0]);
+  s->beyond = own(markers[1]);
+  s->any = own(markers[2]);
+  for (auto node : nodes) {  // (holder or None, slots, how _fresh reads it)
+    auto pair = node.cast<pybind11::tuple>();
+    s->nodes.push_back(Node{pair[0].is_none() ? nullptr : own(pair[0]), {}});
+    for (auto slot : pair[1].cast<pybind11::tuple>()) s->nodes.back().slots.push_back(own(slot));
+  }
+  for (auto t : tensors) s->tensors.push_back(own(t));
+  s->addresses.assign(addresses.begin(), addresses.end());
+  s->storages.assign(storages.begin(), storages.end());
+  s->max_depth = (int)max_depth;
+  s->max_values = (long)max_values;
+  return bound_function(s, kScanCapsule, &kScanMethod);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("snapshot", snapshot, "snapshot");
+  m.def("empty_launch", empty_launch, "empty_launch");
+  m.def("build_info", build_info, "build_info");
+  m.def("pack", pack, "pack");
+  m.def("count_divergence", count_divergence, "count_divergence");
+  m.def("count_pair", count_pair, "count_pair");
+  m.def("receive", receive, "receive");
+  m.def("boundary_scan", boundary_scan, "boundary_scan");
+  m.def("boundary_check", boundary_check, "boundary_check");
+  m.def("report_sync", report_sync, "report_sync");
+  m.def("views_check", views_check, "views_check");
+}

@@ -1,0 +1,102 @@
+"""What the engine's SpecTpSync does, observed by running it (spectpsync.behaviour), and
+that observation checked before any proof rests on it.
+
+The installed class runs in this process, the pack's own wrappers looked through, and is
+remembered per class, functions and value (running it costs a group set-up each time); a
+tree's class runs in a child interpreter (behaviour keeps that child). Where a tree's class
+cannot run here the verdict is Undecided: each rank decides it at launch.
+
+`checked` refuses an observation that shows the class does not select by its switch (it
+selects other than its own parser reads), or where a part the caller relies on (`sync`,
+`available_memory_gb`) misbehaved, naming the method.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+from typing import Optional
+
+from ..engine.contract import Contract, Refused, Undecided
+from ..engine.installed import from_source, version_of
+from . import behaviour
+from .engine_class import CLASS, ENGINE_FLAG
+
+_OBSERVED: dict = {}  # (the installed class and its functions, value) -> its observation
+
+
+def observed(contract: Contract, values) -> dict:
+    """value -> what the engine's SpecTpSync does built under it (spectpsync.behaviour): the
+    installed class run here, the pack's own wrappers looked through; a tree's in a child
+    interpreter. Undecided where the tree's class cannot run here."""
+    module, values = contract.module, list(dict.fromkeys(values))
+    if from_source(module):
+        try:
+            found = behaviour.observe_tree(str(module.__engine__.root), values)["values"]
+        except behaviour.Unobservable as exc:
+            raise Undecided(contract.adapter, f"{contract.name}:{CLASS}",
+                            f"its class cannot be run from these sources in this interpreter ({exc}); each rank "
+                            "runs it at launch", version_of(module)) from None
+        return {value: found[json.dumps(value)] for value in values}
+    cls = contract.attr(CLASS)
+    originals = {name: engine_defined(cls, name) for name in vars(cls)}
+    # the objects themselves, held by the key: an id could be reused by another class after this one is gone
+    key = (module, cls, tuple(sorted((name, value) for name, value in originals.items()
+                                     if isinstance(value, types.FunctionType))))
+    missing = [value for value in values if (key, value) not in _OBSERVED]
+    if missing:
+        found = behaviour.observe_module(module, missing, originals)["values"]
+        _OBSERVED.update({(key, value): found[json.dumps(value)] for value in missing})
+    return {value: _OBSERVED[(key, value)] for value in values}
+
+
+def reset() -> None:
+    """Forget what was observed of installed classes (tests)."""
+    _OBSERVED.clear()
+
+
+def engine_defined(owner, name: str):
+    """owner.name as the engine defined it: the pack's own wrapper looked through."""
+    from ..framework import patching
+
+    current = vars(owner).get(name)
+    for saved in patching.applied():
+        if saved.owner is owner and saved.name == name and current is saved.replacement:
+            return saved.original
+    return current
+
+
+def said(value: Optional[str]) -> str:
+    """The switch at `value`, as a reason says it."""
+    return f"{ENGINE_FLAG} unset" if value is None else f"{ENGINE_FLAG}={value!r}"
+
+
+def unparsed(contract: Contract, raw: str, error: str) -> Refused:
+    """The engine's parser refusing `raw` (a ValueError: the value), or failing itself."""
+    if error.startswith("ValueError"):
+        return contract.refuse(ENGINE_FLAG, f"the engine cannot parse {raw!r}: {error}")
+    return contract.refuse("parse_spec_tp_sync", f"cannot be run on {raw!r}: {error}")
+
+
+def checked(contract: Contract, value: Optional[str], part: str = "") -> dict:
+    """The observation under `value`, refused where the class is not shown to select by the
+    variable or (`part`: "sync" or "probe") where that part misbehaved."""
+    seen = observed(contract, [value])[value]
+    if value is not None and seen["parse_error"]:
+        raise unparsed(contract, value, seen["parse_error"])
+    if seen["built_error"]:
+        missing = re.search(rf"'{CLASS}' object has no attribute '(\w+)'", seen["built_error"])
+        symbol = f"{CLASS}.{missing.group(1)}" if missing else CLASS  # a method it no longer has, named
+        raise contract.refuse(symbol, f"built with {said(value)} it raises {seen['built_error']}")
+    if seen["problems"]:
+        raise contract.refuse(CLASS, f"run against its own code ({said(value)}): {seen['problems'][0]}")
+    if part and seen[f"{part}_problems"]:
+        method = {"sync": "sync", "probe": "available_memory_gb"}[part]
+        raise contract.refuse(f"{CLASS}.{method}", f"run against its own code ({said(value)}): "
+                                                   f"{seen[f'{part}_problems'][0]}")
+    chosen = seen["selected"]["2"]
+    if value is not None and chosen != seen["parse"]:
+        raise contract.refuse(CLASS, f"built with {said(value)} over two ranks it selects {chosen}, not what its "
+                                     f"parser reads ({seen['parse']}): it does not select by that variable")
+    return seen
