@@ -114,7 +114,7 @@ def test_the_refusal_says_why_where_and_what_is_safe(deployments):
     reason = outcome.reason
     assert reason.startswith("known_bad_config refused on sglang 0.5.17: "
                              "sglang.srt.mem_cache.deepseek_v4_memory_pool:get_compress_state_write_pad: "
-                             "DSpark verify window 5 (--speculative-dspark-block-size 4 + 1) exceeds 4: "), reason
+                             "DSpark verify window 5 exceeds 4 (--speculative-dspark-block-size 4 + 1): "), reason
     for said in ("sgl-project/sglang#34959", "sgl-project/sglang#33872", "sgl-project/sglang#34189",
                  "safe: --speculative-dspark-block-size 3 (verify window 4) or lower",
                  "switch DSV41_KNOWN_BAD_CONFIG off there"):
@@ -206,7 +206,7 @@ def test_the_rank_judges_the_window_the_engine_read_from_the_draft_checkpoint(im
     assert row["command"]["speculative_num_draft_tokens"] is None
     assert row["resolved"]["speculative_num_draft_tokens"] == 6  # dspark_block_size 5 in the draft's config, + 1
     assert row["rank"][0] == runtime.REFUSED and row["rank_refused"]
-    assert "DSpark verify window 6 (speculative_num_draft_tokens 6) exceeds 4" in row["rank"][1]
+    assert "DSpark verify window 6 exceeds 4 (speculative_num_draft_tokens 6)" in row["rank"][1]
     # through the engine's plugin loader, as a spawned rank: the Scheduler is never built
     refused = imported["without pad"]["plugin"]["refused"]
     assert refused.startswith("the engine must not start: known_bad_config refused on sglang 0.5.23: ")
@@ -230,13 +230,17 @@ def doctor(*args: str):
 
 def test_doctor_shows_the_hazard_for_the_command(trees):
     tree = str(trees["0.5.23 - pad"])
-    done = doctor("--strict", "--engine", tree, "--", *command(COMMANDS["block 4"][0]))
+    done = doctor("--strict", "--verbose", "--engine", tree, "--", *command(COMMANDS["block 4"][0]))
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     row = next(line.split() for line in done.stdout.splitlines() if line.startswith("known_bad_config "))
     assert row[:4] == ["known_bad_config", "DSV41_KNOWN_BAD_CONFIG", "'1'", "refused"], row
     assert "  outcome: known_bad_config refused on sglang 0.5.23: " in done.stdout
     assert "safe: --speculative-dspark-block-size 3 (verify window 4) or lower" in done.stdout
     assert "\ndeployment: TP 4, no DP attention, DSPARK (the command's server arguments" in done.stdout
+    # the short report: its one line per adapter gives the deciding reason
+    done = doctor("--engine", tree, "--", *command(COMMANDS["block 4"][0]))
+    assert "\nknown_bad_config: refused - sglang 0.5.23: deepseek_v4_memory_pool:get_compress_state_write_pad: " \
+           "DSpark verify window 5 exceeds 4 (" in done.stdout
     done = doctor("--strict", "--json", "--engine", tree, "--", *command(COMMANDS["block from the checkpoint"][0]))
     assert done.returncode == EXIT_OK, done.stderr[-3000:]
     report = json.loads(done.stdout)

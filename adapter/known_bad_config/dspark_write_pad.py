@@ -125,7 +125,8 @@ def plan(engine, context) -> Plan:
     (derived, mirror), pad = python_mirror(pool, configurator), kernel(pool)
     said = pad.describe() if pad is not None else "the kernel's source is not in this tree"
     if derived and (pad is None or pad.cap is None):
-        return Plan("superseded", f"the engine derives the DeepSeek-V4 compress write pad itself: {mirror}; {said}")
+        return Plan("superseded", f"the engine derives the DeepSeek-V4 compress write pad itself: {mirror}; {said}",
+                    short_reason=f"the engine derives the compress write pad from its ring and bounds the window ({PAD})")
     if derived or (pad is not None and pad.cap is None):
         raise pool.refuse(PAD, f"the Python mirror and the plan kernel disagree on the write pad ({mirror}; {said}): "
                                "the pack cannot tell which a verify step runs")
@@ -145,7 +146,7 @@ def _judge(engine, pool: Contract, bound: int, how: str, context) -> Plan:
     algorithm = str(args["speculative_algorithm"] or "").upper()
     if algorithm != DSPARK:
         return Plan("applied", f"nothing to refuse: the deployment runs no DSpark (speculative algorithm "
-                               f"{algorithm or 'none'}); {how}")
+                               f"{algorithm or 'none'}); {how}", short_reason="no DSpark in this deployment: nothing to refuse")
     window, said = verify_window(args)
     if window is None:
         raise Undecided(NAME, "--speculative-dspark-block-size",
@@ -153,8 +154,9 @@ def _judge(engine, pool: Contract, bound: int, how: str, context) -> Plan:
                         f"(dspark_block_size); {how}: each rank judges the verify window it resolves and refuses "
                         f"one above {bound}", engine.version)
     if window <= bound:
-        return Plan("applied", f"DSpark verify window {window} ({said}) is within the bound: {how}; nothing patched")
-    raise pool.refuse(PAD, f"DSpark verify window {window} ({said}) exceeds {bound}: {how}, so a DeepSeek-V4 verify "
+        return Plan("applied", f"DSpark verify window {window} ({said}) is within the bound: {how}; nothing patched",
+                    short_reason=f"DSpark verify window {window} is within the {bound} draft tokens the write plan keeps")
+    raise pool.refuse(PAD, f"DSpark verify window {window} exceeds {bound} ({said}): {how}, so a DeepSeek-V4 verify "
                            f"step under-writes the compress-state ring and later compressions read stale KV, corrupting "
                            f"output without an error ({THREADS}); safe: {SAFE}; a target without DeepSeek-V4 "
                            f"compressed attention is not affected: switch {FLAG} off there")
