@@ -32,8 +32,7 @@ from ..framework.surface import Surface
 
 NAME = "known_bad_config"
 FLAG = "DSV41_KNOWN_BAD_CONFIG"
-SUMMARY = ("refuse at start a configuration known to corrupt output silently on this engine: DSpark verify window "
-           "beyond what the DeepSeek-V4 compress write plan keeps resident")
+SUMMARY = "refuse configurations that silently corrupt output"  # one line of --help, whose length is bounded
 CHECK_VALUE = "1"  # the setting doctor's engine check and the compatibility matrix use
 
 
