@@ -43,7 +43,8 @@ def test_release_tables_are_generated_from_the_matrix():
 def test_the_doctor_samples_are_doctors_output():
     """The README's doctor section shows the default report of the recipe's deployment with every flag on, and
     links the --verbose one (docs/doctor.md): both what doctor prints for it today, and the check can fail."""
-    section = README[README.index("\n## doctor\n"):README.index("\n## Compatibility matrix\n")]
+    start = README.index("\n## doctor\n")
+    section = README[start:README.index("\n## ", start + 1)]
     assert doctor_sample.BEGIN in section and "[docs/doctor.md](docs/doctor.md)" in section and "--verbose" in section
     assert doctor_sample.main(["--check"]) == 0
     short = doctor_sample.BLOCK.search(section)[1]
@@ -76,6 +77,17 @@ def test_readme_is_for_deployers_first_and_keeps_the_contributors_two_commands()
     assert "\nbash scripts/test.sh   " in README
     assert (ROOT / "scripts" / "setup.sh").exists() and (ROOT / "scripts" / "test.sh").exists()
 
+
+
+def test_readme_links_every_docs_page_and_every_link_resolves():
+    """The README is the deployer's page: the rest lives under docs/, each page listed under "More"; a
+    relative link in the README or a docs page that names no file (a page moved or renamed) fails."""
+    more = README[README.index("\n## More\n"):]
+    pages = sorted(path.name for path in (ROOT / "docs").iterdir() if path.suffix in (".md", ".json"))
+    assert [page for page in pages if f"](docs/{page})" not in more] == []
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links {target}, which is not there"
 
 # --- the bisection example, with the recipe's env file ------------------------------------------
 
@@ -143,8 +155,9 @@ def test_every_image_tag_names_this_pack_and_engine():
     import importlib.metadata
 
     want = f"sglang-dsv41:{importlib.metadata.version('sglang')}-cu130-pack{pack_version()}"
-    files = [ROOT / "README.md", ROOT / "docker" / "Dockerfile", *RECIPE.rglob("*")]
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "docker" / "Dockerfile", *RECIPE.rglob("*")]
     tags = {(path.name, tag) for path in files if path.is_file()
             for tag in re.findall(r"sglang-dsv41:[\w.]+-cu\d+-pack[\w.]+", path.read_text())}
-    assert {name for name, _ in tags} >= {"README.md", "Dockerfile", "run.sh", "deployment.yaml", "leaderworkerset.yaml"}
+    assert {name for name, _ in tags} >= {"README.md", "deployment.md", "Dockerfile", "run.sh", "deployment.yaml",
+                                          "leaderworkerset.yaml"}
     assert {tag for _, tag in tags} == {want}, tags

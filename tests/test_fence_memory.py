@@ -197,7 +197,8 @@ def test_the_general_form_and_the_boundary_copy_a_repointed_buffer(checks, tmp_p
     written = lambda: [getattr(dspark.epilogue, name) for name in BUFFERS]  # noqa: E731
     step = engine_then_fence(dspark, original, (1, 5), 2, written, 0)
     changes = {"set_": lambda b: b.set_(torch.zeros_like(b)), ".data =": lambda b: setattr(b, "data", torch.zeros_like(b)),
-               "resize_": lambda b: b.resize_((40,) + b.shape[1:])}
+               "resize_": lambda b: b.resize_((40,) + b.shape[1:]),
+               "swap_tensors": lambda b: torch.utils.swap_tensors(b, torch.zeros_like(b))}  # the object keeps, its tensor goes
     for change in changes.values():
         for name in BUFFERS:
             change(getattr(dspark.epilogue, name))

@@ -31,8 +31,7 @@ Which check serves is said once, at the first check on a GPU; on the CPU the Pyt
 serves and nothing is said.
 
 Cost: one look at each value the result holds and one storage lookup per tensor, and
-one look at each value and tensor of the map, every step (figures in the README's
-performance section).
+one look at each value and tensor of the map, every step (figures in docs/performance.md).
 """
 
 from __future__ import annotations

@@ -66,6 +66,11 @@ struct BoundaryScan {
   std::vector<Node> nodes;          // the epilogue's memory as mapped ...
   std::vector<PyObject*> tensors;   // ... the tensors in it ...
   std::vector<uintptr_t> addresses; // ... and their storages' addresses then
+  // What each of those tensors was over when bound: its TensorImpl, that impl's StorageImpl and
+  // the storage's deleter (nullptr impl: not read in place, e.g. a copy-on-write storage)
+  std::vector<const c10::TensorImpl*> impls;
+  std::vector<const c10::StorageImpl*> storage_impls;
+  std::vector<c10::DeleterFnPtr> deleters;
   std::vector<uintptr_t> storages;  // the map's storages
   int max_depth;
   long max_values;
@@ -268,6 +273,19 @@ bool same_slot(const BoundaryScan& s, PyObject* v, PyObject* slot) {
   return kind != nullptr && kind != s.tensor;
 }
 
+// Mapped tensor i is over the very memory it was bound over: the same TensorImpl (not swapped),
+// over the same StorageImpl (not set_ or .data = elsewhere), whose data is where it was (not
+// moved by a resize_) and not turned copy-on-write (its deleter). Inline reads only: this runs for
+// every tensor of the epilogue's memory, every step.
+bool over_bound_storage(const BoundaryScan& s, size_t i, const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl == nullptr || impl != s.impls[i]) return false;
+  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (storage == nullptr || storage != s.storage_impls[i]) return false;
+  const c10::DataPtr& data = storage->data_ptr();
+  return reinterpret_cast<uintptr_t>(data.get()) == s.addresses[i] && data.get_deleter() == s.deleters[i];
+}
+
 // fence_boundary._fresh: the same epilogue, every holder mapped holding what it held, every
 // tensor over the storage it had (a buffer re-pointed in place is the same object over other memory).
 bool same_state(const BoundaryScan& s, PyObject* epilogue) {
@@ -292,11 +310,9 @@ bool same_state(const BoundaryScan& s, PyObject* epilogue) {
     n.slots_tag = n.offsets != nullptr ? Py_TYPE(h)->tp_version_tag : 0;
   }
   for (size_t i = 0; i < s.tensors.size(); ++i) {  // the storage itself, whatever a subclass would say
-    uintptr_t address;
     PyObject* tensor = s.tensors[i];
     const bool plain = Py_TYPE(tensor) == (PyTypeObject*)s.plain_tensor || Py_TYPE(tensor) == (PyTypeObject*)s.parameter;
-    if (!(plain || THPVariable_Check(tensor)) || !address_of(THPVariable_Unpack(tensor), address) ||
-        address != s.addresses[i]) return false;
+    if (!(plain || THPVariable_Check(tensor)) || !over_bound_storage(s, i, THPVariable_Unpack(tensor))) return false;
   }
   return true;
 }
@@ -682,6 +698,20 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
   }
   for (auto t : tensors) s->tensors.push_back(own(t));
   s->addresses.assign(addresses.begin(), addresses.end());
+  for (size_t i = 0; i < s->tensors.size(); ++i) {  // what each is over now, as the map read it
+    uintptr_t address = 0;
+    bool readable = false;
+    try {
+      readable = THPVariable_Check(s->tensors[i]) && address_of(THPVariable_Unpack(s->tensors[i]), address) &&
+                 address == s->addresses[i];
+    } catch (...) {  // a storage that cannot be read here: left to the walk
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    const c10::TensorImpl* impl = readable ? THPVariable_Unpack(s->tensors[i]).unsafeGetTensorImpl() : nullptr;
+    s->impls.push_back(impl);  // nullptr: never fresh, the Python walk decides
+    s->storage_impls.push_back(impl ? impl->unsafe_storage().unsafeGetStorageImpl() : nullptr);
+    s->deleters.push_back(impl ? impl->unsafe_storage().data_ptr().get_deleter() : nullptr);
+  }
   s->storages.assign(storages.begin(), storages.end());
   s->max_depth = (int)max_depth;
   s->max_values = (long)max_values;
