@@ -25,7 +25,7 @@ none of them: choosing what to patch costs nothing in processes that patch nothi
 import functools
 import importlib
 
-ADAPTERS = ("folded_fence", "rank0_broadcast", "group_min_memory", "tp_divergence")
+ADAPTERS = ("folded_fence", "rank0_broadcast", "group_min_memory", "tp_divergence", "known_bad_config")
 
 
 @functools.cache

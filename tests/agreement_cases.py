@@ -2,14 +2,16 @@
 
 For every flag combination it takes the decision the three deciders take (the launcher
 and each rank: runtime.apply_once's decide; doctor: cli.report; doctor --engine:
-cli.report on the same release read from its sources), in every order of
-ADAPTERS, applies the launch decision, and returns what each one said.
+cli.report on the same release read from its sources), in every rotation of
+ADAPTERS and of its reverse, applies the launch decision, and returns what each one said.
 
 `layouts` adds the deployment: for each server command in LAYOUTS and every flag
 combination, what doctor -- COMMAND, doctor --engine SOURCES -- COMMAND and the wrapper
 (the command read with the engine's own parser) decide, and what a rank decides from the
 real ServerArgs its Scheduler would receive (built by the engine's prepare_server_args
-from the same arguments, resolved where the release resolves them).
+from the same arguments, resolved where the release resolves them). One layout runs DSpark
+with its block size left to the draft checkpoint: the rank knows the verify window the
+engine resolved, the command does not.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ import os
 
 SELECTOR = [None, "1", "all", "init", "rng", "off", "all,-dspark-mem", "17", "dspark-plan,dflash-target"]
 MEMORY = [None, "0", "1"]
+# The known-bad guard reads no other adapter: on alone, beside every other flag on, and off.
+GUARD = [{"DSV41_KNOWN_BAD_CONFIG": "1"},
+         {"DSV41_KNOWN_BAD_CONFIG": "1", "DSV41_SPEC_TP_SYNC": "all", "DSV41_GROUP_MIN_MEM": "1",
+          "DSV41_TP_DIVERGENCE": "1"},
+         {"DSV41_KNOWN_BAD_CONFIG": "0"}]
 
 
 def combos() -> list[dict]:
     """Every selector with every memory setting, then every selector with the divergence
-    report on (it reads the selector, nothing else)."""
+    report on (it reads the selector, nothing else), then the known-bad guard (GUARD)."""
     out = []
     for selector, memory, report in [*itertools.product(SELECTOR, MEMORY, [None]),
                                      *itertools.product(SELECTOR, [None], ["1"])]:
@@ -35,7 +42,13 @@ def combos() -> list[dict]:
         if report is not None:
             env["DSV41_TP_DIVERGENCE"] = report
         out.append(env)
-    return out
+    return out + [dict(env) for env in GUARD]
+
+
+def orders(names) -> list[tuple]:
+    """Each rotation of `names` and of its reverse: every adapter first and last, every pair
+    in both orders (all orders of five adapters would cost minutes per table)."""
+    return [tuple(seq[i:] + seq[:i]) for seq in (list(names), list(reversed(names))) for i in range(len(names))]
 
 
 def _states(decision) -> dict:
@@ -54,8 +67,7 @@ def verdicts(environ: dict, engine, installed: bool) -> dict:
         "states": _states(launch),
         "reasons": {o.adapter: o.reason for o in launch.outcomes},
         "doctor_failed": cli.report(environ, engine)["failed"],
-        "orders": [_states(runtime.decide(environ, engine, names=order))
-                   for order in itertools.permutations(ADAPTERS)],
+        "orders": [_states(runtime.decide(environ, engine, names=order)) for order in orders(ADAPTERS)],
     }
     if installed and not launch.refused:
         # The launch path carries the decision out: only adapters that are on may touch
@@ -91,6 +103,7 @@ LAYOUTS = {
     "tp4-dp-attention-tp2": ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "2"],
 }
 LAYOUTS_0523 = {"tp4-attn-dp4": ["--tp-size", "4", "--attn-dp-size", "4"]}
+DSPARK_LAYOUT = "tp4-dspark"  # its draft checkpoint (`layouts`) says the block size; the engine accepts DSpark on CUDA only
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
                "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512}
@@ -118,9 +131,16 @@ def layouts(rank, world_size, model_dir, source_tree):
     from sglang_dsv41_adapters.engine.installed import InstalledEngine, engine_version
     from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 
+    from tests.known_bad_config_cases import DRAFT_CONFIG
+
     pathlib.Path(model_dir, "config.json").write_text(json.dumps(TINY_CONFIG))
+    draft = pathlib.Path(model_dir, "draft")
+    draft.mkdir(exist_ok=True)
+    (draft / "config.json").write_text(json.dumps(DRAFT_CONFIG))
     model = ["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"]
     cases = dict(LAYOUTS, **(LAYOUTS_0523 if engine_version() == "0.5.23" else {}))
+    cases[DSPARK_LAYOUT] = ["--tp-size", "4", "--device", "cuda", "--speculative-algorithm", "DSPARK",
+                            "--speculative-draft-model-path", str(draft)]
     installed, sources = InstalledEngine(), SourceEngine(source_tree)
     out = {}
     for name, argv in cases.items():

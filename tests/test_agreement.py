@@ -2,17 +2,19 @@
 
 The table: every DSV41_SPEC_TP_SYNC value in agreement_cases.SELECTOR (unset, 1, all, init,
 rng, off, all,-dspark-mem, 17, dspark-plan,dflash-target) with DSV41_GROUP_MIN_MEM unset,
-0 or 1, and with DSV41_TP_DIVERGENCE=1 (36 combinations), on 0.5.23 and 0.5.18 installed and read from their sources, and
-on 0.5.16 from its sources. For every combination:
+0 or 1, and with DSV41_TP_DIVERGENCE=1, and DSV41_KNOWN_BAD_CONFIG on alone, beside every
+other flag and off (39 combinations), on 0.5.23 and 0.5.18 installed and read from their
+sources, and on 0.5.16 from its sources. For every combination:
 - doctor --strict fails exactly when the launch refuses (installed releases);
 - doctor --engine on the release's sources gives each adapter the outcome the installed
   release gives it;
-- every order of ADAPTERS gives the same outcomes;
+- every rotation of ADAPTERS and of its reverse gives the same outcomes;
 - what the launch applies comes only from adapters that are on, and only rank0_broadcast
   hands anything to the engine (0.5.19+), never when it is off.
 
 And with the deployment (agreement_cases.LAYOUTS: TP only, DP attention with attention-TP 1
-and 2, and 0.5.23's --attn-dp-size spelling), for every combination on 0.5.23 and 0.5.18:
+and 2, 0.5.23's --attn-dp-size spelling, and DSpark with its block size left to the draft
+checkpoint), for every combination on 0.5.23 and 0.5.18:
 doctor -- COMMAND, doctor --engine SOURCES -- COMMAND, the wrapper (the command read with
 the engine's own parser) and a rank (the ServerArgs its Scheduler receives) give every
 adapter the same outcome, and doctor --strict fails exactly when the launch refuses.
@@ -61,11 +63,17 @@ def by_layout(tmp_path_factory):
 @pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
 def test_every_decider_agrees_on_each_layout(by_layout, release):
     layouts = by_layout[release]
-    assert sorted(layouts) == sorted(["tp4", "tp4-dp-attention-tp1", "tp4-dp-attention-tp2"]
+    assert sorted(layouts) == sorted(["tp4", "tp4-dp-attention-tp1", "tp4-dp-attention-tp2", "tp4-dspark"]
                                      + (["tp4-attn-dp4"] if release == "0.5.23" else []))
     for name, layout in layouts.items():
-        # The wrapper's reading of the command is the rank's reading of its ServerArgs.
-        assert layout["command"] == layout["rank"], name
+        # The wrapper's reading of the command is the rank's reading of its ServerArgs; of the
+        # arguments the adapters read, what the command sets the rank reads alike (the rank
+        # also knows what the engine resolved).
+        command, rank = dict(layout["command"]), dict(layout["rank"])
+        said, resolved = command.pop("server_args"), rank.pop("server_args")
+        assert command == rank, name
+        assert {k: v for k, v in said.items() if v is not None} == {k: resolved[k] for k, v in said.items()
+                                                                     if v is not None}, name
         assert len(layout["rows"]) == len(combos())
         for env, row in zip(combos(), layout["rows"]):
             assert row["doctor"] == row["sources"] == row["wrapper"] == row["rank"], (name, env, row["reasons"])
@@ -81,7 +89,7 @@ def test_the_layout_changes_the_verdicts_it_should(by_layout):
     memory = {layout: state("0.5.23", layout, "group_min_memory", DSV41_GROUP_MIN_MEM="1")
               for layout in by_layout["0.5.23"]}
     assert memory == {"tp4": "superseded", "tp4-dp-attention-tp1": "applied", "tp4-dp-attention-tp2": "superseded",
-                      "tp4-attn-dp4": "applied"}
+                      "tp4-attn-dp4": "applied", "tp4-dspark": "superseded"}
     for release in ("0.5.23", "0.5.18"):
         report = {layout: state(release, layout, "tp_divergence", DSV41_SPEC_TP_SYNC="all", DSV41_TP_DIVERGENCE="1")
                   for layout in by_layout[release]}
@@ -90,14 +98,29 @@ def test_the_layout_changes_the_verdicts_it_should(by_layout):
 
 def test_the_layouts_are_read_as_written(by_layout):
     attn = {name: (layout["rank"]["tp_size"], layout["rank"]["attn_dp_size"]) for name, layout in by_layout["0.5.23"].items()}
-    assert attn == {"tp4": (4, 1), "tp4-dp-attention-tp1": (4, 4), "tp4-dp-attention-tp2": (4, 2), "tp4-attn-dp4": (4, 4)}
+    assert attn == {"tp4": (4, 1), "tp4-dp-attention-tp1": (4, 4), "tp4-dp-attention-tp2": (4, 2), "tp4-attn-dp4": (4, 4),
+                    "tp4-dspark": (4, 1)}
+
+
+@pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
+def test_the_rank_knows_the_dspark_window_the_command_leaves_to_the_engine(by_layout, release):
+    """The block size is not on the command: the engine reads it from the draft checkpoint
+    (dspark_block_size 5) into the rank's ServerArgs. Both releases derive the write pad, so
+    the known-bad guard is superseded for the command and for the rank alike."""
+    layout = by_layout[release]["tp4-dspark"]
+    assert layout["command"]["server_args"]["speculative_num_draft_tokens"] is None
+    assert layout["rank"]["server_args"]["speculative_num_draft_tokens"] == 6
+    for env in combos():
+        row = layout["rows"][combos().index(env)]
+        if env.get("DSV41_KNOWN_BAD_CONFIG") == "1":
+            assert row["rank"]["known_bad_config"] == row["wrapper"]["known_bad_config"] == "superseded", env
 
 
 def test_the_table_covers_every_combination_on_three_releases(table):
-    assert len(combos()) == 36
+    assert len(combos()) == 39
     assert {release: sorted(sides) for release, sides in table.items()} == {
         "0.5.23": ["installed", "sources"], "0.5.18": ["installed", "sources"], "0.5.16": ["sources"]}
-    assert all(len(rows) == 36 for sides in table.values() for rows in sides.values())
+    assert all(len(rows) == 39 for sides in table.values() for rows in sides.values())
 
 
 @pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])
@@ -154,7 +177,7 @@ def test_the_cases_of_the_issue(table):
     assert "1:dspark-mem, 12:dflash-mem are served by DSV41_GROUP_MIN_MEM" in applied["reasons"]["rank0_broadcast"]
     init = row(table, "0.5.18", "installed", DSV41_SPEC_TP_SYNC="init", DSV41_GROUP_MIN_MEM="1")
     assert init["states"] == {"folded_fence": "off", "rank0_broadcast": "refused", "group_min_memory": "applied",
-                              "tp_divergence": "off"}
+                              "tp_divergence": "off", "known_bad_config": "off"}
     assert "1:dspark-mem by DSV41_GROUP_MIN_MEM" in init["reasons"]["rank0_broadcast"]
     # The divergence report compares what is broadcast: on 0.5.18 the pack's selection, on
     # 0.5.23 the engine's (its default 'all' when the pack hands nothing over). Judged without the

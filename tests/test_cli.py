@@ -463,6 +463,9 @@ def test_doctor_judges_the_commands_deployment_without_running_it(release, extra
     assert schema_errors(report, SCHEMA) == []
     assert report["deployment"] == {"tp_size": 4, "attn_dp_size": attn_dp, "attn_cp_size": 1, "attn_tp_size": 4 // attn_dp,
                                     "speculative_algorithm": "DSPARK",
+                                    # what the adapters read of the command (their surfaces' server_args)
+                                    "server_args": {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": None,
+                                                    "speculative_num_draft_tokens": None},
                                     "judged_from": "the command's server arguments, read with the engine's own parser"}
     assert report["by_layout"] == {}  # one deployment judged: no per-layout rows
     assert "[sglang-adapters]" not in done.stderr  # nothing applied, nothing started

@@ -130,7 +130,7 @@ def test_a_release_newer_than_the_table_is_judged_without_a_code_change(tmp_path
     assert compat_matrix.main(["--check"]) == 0
     said = capsys.readouterr().err
     assert "new on the registry: sglang 0.5.24: folded_fence applied, rank0_broadcast applied, " \
-           "group_min_memory superseded, tp_divergence applied" in said
+           "group_min_memory superseded, tp_divergence applied, known_bad_config superseded" in said
     assert "matches the 1 releases" in said
     assert compat_matrix.main([]) == 0
-    assert "| 0.5.24 | applied | applied | superseded | applied |" in (tmp_path / "COMPATIBILITY.md").read_text()
+    assert "| 0.5.24 | applied | applied | superseded | applied | superseded |" in (tmp_path / "COMPATIBILITY.md").read_text()

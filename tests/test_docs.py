@@ -28,11 +28,16 @@ def test_release_tables_are_generated_from_the_matrix():
     want = release_table.table(matrix)
     # judged without the server arguments: the memory probe is the pack's where DP attention may leave it per rank;
     # at its broadest setting (all,31) DSV41_SPEC_TP_SYNC patches site 31 beside the engine's SpecTpSync sites
-    assert "| 0.5.17 - 0.5.23 | `DSV41_FOLDED_FENCE`, `DSV41_SPEC_TP_SYNC`, `DSV41_GROUP_MIN_MEM` | - | - |" in want
+    assert "| 0.5.17 | `DSV41_FOLDED_FENCE`, `DSV41_SPEC_TP_SYNC`, `DSV41_GROUP_MIN_MEM` | - | - | " \
+           "`DSV41_KNOWN_BAD_CONFIG` |" in want
+    # the known-bad guard: the write pad's fix from 0.5.18; before it, the deployment's block size decides at launch
+    assert "| 0.5.18 - 0.5.23 | `DSV41_FOLDED_FENCE`, `DSV41_SPEC_TP_SYNC`, `DSV41_GROUP_MIN_MEM` | " \
+           "`DSV41_KNOWN_BAD_CONFIG` | - | - |" in want
     # A matrix change shows up as a stale table.
     changed = matrix.replace("| 0.5.23 | applied |", "| 0.5.23 | refused |")
     assert changed != matrix and release_table.table(changed) != want
-    assert "| 0.5.23 | `DSV41_SPEC_TP_SYNC`, `DSV41_GROUP_MIN_MEM` | - | `DSV41_FOLDED_FENCE` |" in release_table.table(changed)
+    assert "| 0.5.23 | `DSV41_SPEC_TP_SYNC`, `DSV41_GROUP_MIN_MEM` | `DSV41_KNOWN_BAD_CONFIG` | `DSV41_FOLDED_FENCE` | - |" \
+        in release_table.table(changed)
 
 
 def test_the_doctor_samples_are_doctors_output():

@@ -133,6 +133,9 @@ def test_a_wrong_declaration_is_refused_when_it_loads():
         "check does not take (engine, setting, context)": dict(check=lambda engine: None),
         "check_value 'off' does not switch DSV41_FOLDED_FENCE on": dict(check_value="off"),
         "check_with names an adapter whose setting it does not declare it reads": dict(check_with={"rank0_broadcast": "all"}),
+        "server_args 'speculative_algorithm' is not a tuple of server argument names": dict(
+            server_args="speculative_algorithm"),
+        "server_args ('--tp-size',) is not a tuple of server argument names": dict(server_args=("--tp-size",)),
         "command 'Build_Kernel' is not lower-case words joined by hyphens": dict(commands={"Build_Kernel": good.commands["build-kernel"]}),
         "command 'build' does not take (argv) with a docstring for its help": dict(commands={"build": lambda: 0}),
     }

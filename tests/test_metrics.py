@@ -72,7 +72,8 @@ def served(tmp_path_factory):
 def test_each_ranks_adapter_outcomes_are_served(served):
     samples = metric_samples(served, "sglang_adapters:adapter_outcome")
     want = {"folded_fence": ("DSV41_FOLDED_FENCE", "applied"), "rank0_broadcast": ("DSV41_SPEC_TP_SYNC", "superseded"),
-            "group_min_memory": ("DSV41_GROUP_MIN_MEM", "off"), "tp_divergence": ("DSV41_TP_DIVERGENCE", "off")}
+            "group_min_memory": ("DSV41_GROUP_MIN_MEM", "off"), "tp_divergence": ("DSV41_TP_DIVERGENCE", "off"),
+            "known_bad_config": ("DSV41_KNOWN_BAD_CONFIG", "off")}
     assert sorted(want) == sorted(ADAPTERS)
     expected = {("sglang_adapters:adapter_outcome",
                  (("adapter", name), ("flag", flag), ("outcome", outcome), ("rank", str(rank)))): 1.0

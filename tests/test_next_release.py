@@ -207,7 +207,7 @@ def test_the_agreement_table_holds_on_the_next_release(by_layout):
     """doctor, doctor --engine, the wrapper (the command read with the engine's own parser) and
     a rank (the ServerArgs its Scheduler receives) agree on every flag combination and layout."""
     for name, layouts in by_layout.items():
-        assert sorted(layouts) == ["tp4", "tp4-dp-attention-tp1", "tp4-dp-attention-tp2"]
+        assert sorted(layouts) == ["tp4", "tp4-dp-attention-tp1", "tp4-dp-attention-tp2", "tp4-dspark"]
         for layout, found in layouts.items():
             assert len(found["rows"]) == len(combos())
             for env, row in zip(combos(), found["rows"]):

@@ -109,7 +109,8 @@ def render(matrix: dict[str, dict[str, dict[str, tuple[str, str]]]]) -> str:
         "CI recomputes it (`tests/test_compat_matrix.py`) and fails on any difference, so an engine release that",
         "changes an adapter's contract shows up here as a diff.",
         "",
-        "Each cell is the adapter's engine check on that release (applied, superseded, refused): what",
+        "Each cell is the adapter's engine check on that release (applied, superseded, refused, or decided at",
+        "launch where the verdict rests on a value only the ranks know): what",
         "`entrypoint.py doctor` reports as the engine check, i.e. the outcome with the flag at its broadest setting ("
         + ", ".join(f"`{load(name).flag}={load(name).check_value}`" + _with(load(name)) for name in ADAPTERS) + ").",
         "",

@@ -23,7 +23,8 @@ BLOCK = re.compile(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), re.S)
 # where the divergence report works).
 DIAGNOSTICS = ("DSV41_TP_DIVERGENCE",)
 COLUMNS = (("applied", "patches the engine"), ("superseded", "superseded: the engine has its own fix"),
-           ("refused", "refused at its broadest setting"))
+           ("refused", "refused at its broadest setting"),
+           ("decided at launch", "decided at launch: by the deployment's settings"))
 
 
 def matrix(text: str) -> tuple[list[str], list[tuple[str, list[str]]]]:

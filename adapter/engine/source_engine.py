@@ -337,9 +337,9 @@ def read_label(root: pathlib.Path) -> Label:
     if found:
         return Label(found, "sglang/_version.py")
     for dist in sorted(root.glob("sglang-*.dist-info")):
-        record = _small_text(dist / "RECORD")
+        record = small_text(dist / "RECORD")
         if record is not None and re.search(r"^sglang/__init__\.py,", record, re.M):
-            metadata = _small_text(dist / "METADATA") or ""
+            metadata = small_text(dist / "METADATA") or ""
             found = re.search(r"^Version:\s*(\S+)", metadata, re.M)
             return Label(found.group(1) if found else dist.name[len("sglang-"):-len(".dist-info")], dist.name)
     found = _version_in(root / "sglang" / "version.py")
@@ -347,12 +347,12 @@ def read_label(root: pathlib.Path) -> Label:
 
 
 def _version_in(path: pathlib.Path) -> Optional[str]:
-    text = _small_text(path)
+    text = small_text(path)
     found = _VERSION.search(text) if text is not None else None
     return found.group(1) if found else None
 
 
-def _small_text(path: pathlib.Path) -> Optional[str]:
+def small_text(path: pathlib.Path) -> Optional[str]:
     """A regular file's text (a link to one counts) within MEMBER_LIMIT, else None (a FIFO
     would hang the reader)."""
     try:

@@ -250,8 +250,12 @@ def _outcome(name: str, flag: str, value, state: str, reason: str, short: str, e
 def context_for(adapter: Surface, environ, settings: Mapping, handed: Mapping[str, dict],
                 topology: Optional[Topology]) -> Context:
     """The context `adapter` is checked with: of the other adapters, exactly what it declares
-    it reads (`handed`: adapter -> the variables it hands to the engine)."""
+    it reads (`handed`: adapter -> the variables it hands to the engine), and of the
+    deployment's server arguments those it declares."""
     reads = {name: load(name) for name in adapter.reads}
+    if topology is not None and topology.server_args is not None:  # of the deployment's arguments, its own
+        topology = replace(topology, server_args=Declared(adapter.name, {
+            name: topology.server_args[name] for name in adapter.server_args}))
     return Context(environ, Declared(adapter.name, {n: settings.get(n) for n in adapter.reads_kind(SETTING)}),
                    {var: value for n in adapter.reads_kind(HANDOVER) for var, value in handed.get(n, {}).items()},
                    topology, {n: surface.flag for n, surface in reads.items()})

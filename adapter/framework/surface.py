@@ -3,7 +3,9 @@
 Each adapter folder's `__init__.py` ends with `SURFACE = Surface(...)`; the runtime, doctor,
 the tools and the JSON report read nothing else of it. What it reads of the other adapters
 is declared too (`reads`), and the runtime hands it exactly that: their settings, or what
-they hand to the engine's switches, never a lookup by name it did not declare.
+they hand to the engine's switches, never a lookup by name it did not declare. So are the
+engine's server arguments its verdict reads (`server_args`): the deployment is read for them
+(framework.topology), so that a new adapter adds no field to the framework.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .ledger import Ledger
 
 SETTING, HANDOVER = "setting", "handover"  # what an adapter may read of another
 FLAG_NAME = re.compile(r"DSV41_[A-Z0-9_]+")
+SERVER_ARG = re.compile(r"[a-z][a-z0-9_]*")  # a ServerArgs field, as the engine names it
 COMMAND_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 
 
@@ -36,8 +39,9 @@ class Surface:
     switched on for the engine check (name -> flag value); extra_flags: further variables
     it reads -> their help line; machine(): what this machine adds to an applied outcome;
     commands: subcommands of the pack's command line it brings (`sglang-adapters NAME ARGS...`
-    -> run(ARGS) -> exit status; the first line of run's docstring is its help); ledger: why
-    it exists and when it retires."""
+    -> run(ARGS) -> exit status; the first line of run's docstring is its help); server_args:
+    the engine's server arguments (ServerArgs field names) its verdict reads, handed as
+    context.topology.server_args; ledger: why it exists and when it retires."""
 
     name: str
     flag: str
@@ -51,6 +55,7 @@ class Surface:
     extra_flags: Mapping[str, str] = field(default_factory=dict)
     machine: Optional[Callable[[], str]] = None
     commands: Mapping[str, Callable[[list[str]], int]] = field(default_factory=dict)
+    server_args: tuple[str, ...] = ()
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -96,6 +101,9 @@ def validate(surface, name: str, registered: tuple[str, ...]) -> Surface:
             raise wrong(f"reads {what!r} of {other}: only {SETTING!r} and {HANDOVER!r} can be read")
     if not set(surface.check_with) <= set(surface.reads_kind(SETTING)):
         raise wrong("check_with names an adapter whose setting it does not declare it reads")
+    if isinstance(surface.server_args, str) or not all(
+            isinstance(arg, str) and SERVER_ARG.fullmatch(arg) for arg in surface.server_args):
+        raise wrong(f"server_args {surface.server_args!r} is not a tuple of server argument names (snake_case)")
     if surface.machine is not None and not callable(surface.machine):
         raise wrong("machine is not callable")
     for command, run in surface.commands.items():

@@ -6,18 +6,22 @@ attention-TP group under DP attention), and with attention-TP 1 that group has o
 rank, so the engine's rank-0 broadcast and its group-minimum memory probe do nothing
 there although the draft graph can still be captured over several ranks.
 
-`Topology` holds the few server arguments the verdicts read. It is taken from the
-real `server_args` each rank's Scheduler receives, from a wrapped command parsed with
-the engine's own argument parser (`from_command`), or, where no deployment is known
-(doctor without a command), from the representative layouts in `REPRESENTATIVE`.
-Nothing here imports the engine until a command is parsed.
+`Topology` holds the few server arguments the verdicts read: the layout, and the
+arguments the adapters declare (each surface's `server_args`), as the deployment sets them.
+It is taken from the real `server_args` each rank's Scheduler receives (values the engine
+resolved included), from a wrapped command parsed with the engine's own argument parser
+(`from_command`: what the command says, None where it leaves a value to the engine), or,
+where no deployment is known (doctor without a command), from the representative layouts
+in `REPRESENTATIVE`, which read no argument. Nothing here imports the engine until a command
+is parsed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Optional
 
 SERVER_MODULES = ("sglang.launch_server", "sglang.srt.server")  # `python3 -m <module> ARGS`
@@ -26,12 +30,15 @@ SERVER_MODULES = ("sglang.launch_server", "sglang.srt.server")  # `python3 -m <m
 @dataclass(frozen=True)
 class Topology:
     """tp_size: ranks of one model replica; attn_dp_size: attention-DP width (1: no DP
-    attention); attn_cp_size: attention context-parallel width."""
+    attention); attn_cp_size: attention context-parallel width; server_args: the arguments
+    the adapters declare -> their value (None: unset), None where no argument was read (a
+    representative layout)."""
 
     tp_size: int
     attn_dp_size: int = 1
     attn_cp_size: int = 1
     speculative_algorithm: Optional[str] = None
+    server_args: Optional[Mapping[str, object]] = field(default=None, hash=False)
 
     @property
     def dp_attention(self) -> bool:
@@ -80,7 +87,20 @@ def from_server_args(args) -> Topology:
         attn_dp = _int(getattr(args, "dp_size", 1))
     algorithm = getattr(args, "speculative_algorithm", None)
     return Topology(tp, attn_dp, _int(getattr(args, "attn_cp_size", 1)),
-                    str(algorithm).upper() if algorithm else None)
+                    str(algorithm).upper() if algorithm else None,
+                    {name: _plain(getattr(args, name, None)) for name in declared_server_args()})
+
+
+def declared_server_args() -> list[str]:
+    """Every server argument a registered adapter declares it reads (its surface's server_args)."""
+    from .. import ADAPTERS, load
+
+    return sorted({name for adapter in ADAPTERS for name in load(adapter).server_args})
+
+
+def _plain(value):
+    """A value as JSON carries it (the report, the tests' ranks): an enum or path as its text."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def _resolved(args):

@@ -1,0 +1,165 @@
+"""The hazard: DSpark's verify window beyond what the DeepSeek-V4 compress write plan keeps.
+
+A DeepSeek-V4 verify step plans which tokens' raw KV it persists into the compress-state
+ring from the optimistic `prefix_len + num_draft_tokens`, then rolls back to the accepted
+length; every committed token must stay resident for a later compression window to read.
+Up to sglang 0.5.17 the plan kernel (`c_plan.cuh`) caps that write pad at a constant:
+`mtp_pad = min(ring_size - compress_ratio, kMaxMTPDraftTokens)` with kMaxMTPDraftTokens = 4,
+so a verify window (`speculative_num_draft_tokens`, DSpark's block size + 1) above 4
+under-writes the ring and later compressions read stale KV: no error, wrong tokens
+(sgl-project/sglang#34959 on 4 x H200, TP 4: block size 3, window 4: 0 typos in 7,499
+identifiers; block size 4: 0.118 %; block size 6: 0.511 %; the mechanism:
+sgl-project/sglang#33872). The fix, sgl-project/sglang#34189, derives the pad from the ring
+(`ring_size - window_size + 2`: 10 for the c4 ring of 16, 130 for the c128 ring of 256),
+mirrors it in Python (`get_compress_state_write_pad` in the DeepSeek-V4 memory pool) and
+has the pool configurator refuse a window beyond it: the engine then guards itself.
+
+What this tree carries is read from its code, never its label:
+- the Python mirror: `get_compress_state_write_pad(compress_ratio, ring_size)` in the memory
+  pool, returning a value derived from `ring_size`, and the pool configurator calling it;
+- the kernel's own write plan, where the tree ships its source (an installed engine does;
+  the Python-only source trees the compatibility matrix reads do not): every `mtp_pad`
+  declaration in `c_plan.cuh`, derived from ring and window, or capped by a constant whose
+  value is then the bound.
+Mirror and kernel derive the pad: superseded. Neither does: the bound is the kernel's cap
+(upstream's 4 where the kernel's source is not in the tree). They disagree: refused, since
+the pack cannot tell which the verify step runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+from typing import NamedTuple, Optional
+
+from ..engine.contract import POSITIONAL, Contract, Undecided, target_modules
+from ..engine.source_engine import small_text
+from ..framework.plan import Plan
+
+POOL = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
+CONFIGURATOR = "sglang.srt.model_executor.pool_configurator"
+PAD = "get_compress_state_write_pad"
+KERNEL = "csrc/deepseek_v4/c_plan.cuh"  # under sglang/jit_kernel (0.5.16) or sglang/kernels/jit (0.5.17+)
+UPSTREAM_CAP = 4  # kMaxMTPDraftTokens in c_plan.cuh before sgl-project/sglang#34189
+DSPARK = "DSPARK"
+SERVER_ARGS = ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_dspark_block_size")
+
+THREADS = "sgl-project/sglang#34959; the mechanism: sgl-project/sglang#33872; the fix: sgl-project/sglang#34189"
+SAFE = (f"--speculative-dspark-block-size {UPSTREAM_CAP - 1} (verify window {UPSTREAM_CAP}) or lower, or an engine "
+        "that derives the write pad (sgl-project/sglang#34189)")
+
+_DECLARED = re.compile(r"\b(?:auto|int|int32_t)\s+mtp_pad\s*=\s*([^;]+);")
+_CONSTANT = re.compile(r"\bconstexpr\s+\w+\s+(k\w+)\s*=\s*(\d+)\s*;")
+
+
+class Kernel(NamedTuple):
+    """The plan kernel's write pad: `cap` None where it is derived from ring and window."""
+
+    path: str
+    cap: Optional[int]
+    expression: str
+
+    def describe(self) -> str:
+        how = "derived from the ring" if self.cap is None else f"capped at {self.cap}"
+        return f"{self.path}: mtp_pad = {self.expression} ({how})"
+
+
+def kernel(contract: Contract) -> Optional[Kernel]:
+    """The write pad of the plan kernel beside the memory pool's module, None where the tree
+    does not ship the kernel's source. Refused where the pad is in no shape the pack knows."""
+    package = pathlib.Path(contract.module.__file__).parents[2]  # sglang/srt/mem_cache/<pool>.py
+    found = sorted(package.glob(f"*/{KERNEL}")) + sorted(package.glob(f"*/*/{KERNEL}"))
+    text = small_text(found[0]) if found else None
+    if text is None:
+        return None
+    where, constants, shapes = str(found[0].relative_to(package.parent)), dict(_CONSTANT.findall(text)), set()
+    for expression in {" ".join(e.split()) for e in _DECLARED.findall(text)}:
+        capped = [int(constants[name]) for name in re.findall(r"\bk\w+", expression) if name in constants]
+        if capped and "std::min" in expression:
+            shapes.add(Kernel(where, min(capped), expression))
+        elif not capped and {"ring_size", "window_size"} <= set(re.findall(r"\w+", expression)):
+            shapes.add(Kernel(where, None, expression))
+        else:
+            shapes.add(None)
+    if len(shapes) != 1 or None in shapes:
+        raise contract.refuse(f"{where}:mtp_pad", f"the compress write plan's pad is declared {len(shapes)} ways, "
+                                                  "or in a shape the pack does not know")
+    return shapes.pop()
+
+
+def python_mirror(pool: Contract, configurator: Contract) -> tuple[bool, str]:
+    """Whether the Python side derives the pad and bounds the draft count with it, and how."""
+    if getattr(pool.module, PAD, None) is None:
+        if configurator.calls(PAD, method=False):
+            raise configurator.refuse(PAD, f"is called but {POOL} no longer defines it")
+        return False, f"no {PAD} in {POOL}"
+    pool.params(PAD, {"compress_ratio": POSITIONAL, "ring_size": POSITIONAL})
+    returned = [node for node in ast.walk(ast.parse(pool.function_source(PAD))) if isinstance(node, ast.Return)]
+    if not any(isinstance(n, ast.Name) and n.id == "ring_size" for r in returned for n in ast.walk(r)):
+        raise pool.refuse(PAD, "no longer returns a value derived from ring_size")
+    calls = configurator.calls(PAD, method=False)
+    if not calls or getattr(getattr(configurator.module, PAD, None), "__module__", None) != POOL:
+        return False, f"{POOL}.{PAD} is defined, but {CONFIGURATOR} bounds no draft count with it"
+    return True, (f"{POOL}.{PAD}(compress_ratio, ring_size) derives the pad from the ring; {CONFIGURATOR} bounds "
+                  f"the draft count with it (line {calls[0].line}: the engine refuses a verify window beyond it itself)")
+
+
+def verify_window(args) -> tuple[Optional[int], str]:
+    """The deployment's verify window (tokens one verify step writes per request) and where
+    it comes from; None where the engine resolves it at launch (from the draft checkpoint)."""
+    tokens, block = args["speculative_num_draft_tokens"], args["speculative_dspark_block_size"]
+    if tokens is not None:
+        return int(tokens), f"speculative_num_draft_tokens {int(tokens)}"
+    if block is not None:
+        return int(block) + 1, f"--speculative-dspark-block-size {int(block)} + 1"
+    return None, ""
+
+
+def plan(engine, context) -> Plan:
+    """Superseded where the tree derives the write pad; else the deployment's DSpark verify
+    window against the bound: allowed (applied, nothing patched), refused, or decided at
+    launch where the window is not known here."""
+    modules = target_modules(NAME, engine, ((POOL, True), (CONFIGURATOR, True)))
+    pool, configurator = Contract(NAME, modules[POOL]), Contract(NAME, modules[CONFIGURATOR])
+    (derived, mirror), pad = python_mirror(pool, configurator), kernel(pool)
+    said = pad.describe() if pad is not None else "the kernel's source is not in this tree"
+    if derived and (pad is None or pad.cap is None):
+        return Plan("superseded", f"the engine derives the DeepSeek-V4 compress write pad itself: {mirror}; {said}",
+                    short_reason=f"the engine derives the compress write pad from its ring and bounds the window ({PAD})")
+    if derived or (pad is not None and pad.cap is None):
+        raise pool.refuse(PAD, f"the Python mirror and the plan kernel disagree on the write pad ({mirror}; {said}): "
+                               "the pack cannot tell which a verify step runs")
+    bound = pad.cap if pad is not None else UPSTREAM_CAP
+    how = (f"this tree's compress write plan keeps at most {bound} draft tokens resident ({mirror}; "
+           + (said if pad is not None else f"{said}: its cap before sgl-project/sglang#34189, kMaxMTPDraftTokens = "
+                                           f"{UPSTREAM_CAP}") + ")")
+    return _judge(engine, pool, bound, how, context)
+
+
+def _judge(engine, pool: Contract, bound: int, how: str, context) -> Plan:
+    args = context.topology.server_args if context.topology is not None else None
+    if args is None:
+        raise Undecided(NAME, "speculative_num_draft_tokens",
+                        f"the deployment's server arguments are not known here; {how}: each rank judges the DSpark "
+                        f"verify window its engine resolves and refuses one above {bound}", engine.version)
+    algorithm = str(args["speculative_algorithm"] or "").upper()
+    if algorithm != DSPARK:
+        return Plan("applied", f"nothing to refuse: the deployment runs no DSpark (speculative algorithm "
+                               f"{algorithm or 'none'}); {how}", short_reason="no DSpark in this deployment: nothing to refuse")
+    window, said = verify_window(args)
+    if window is None:
+        raise Undecided(NAME, "--speculative-dspark-block-size",
+                        f"not on the command line: the engine reads the block size from the draft checkpoint "
+                        f"(dspark_block_size); {how}: each rank judges the verify window it resolves and refuses "
+                        f"one above {bound}", engine.version)
+    if window <= bound:
+        return Plan("applied", f"DSpark verify window {window} ({said}) is within the bound: {how}; nothing patched",
+                    short_reason=f"DSpark verify window {window} is within the {bound} draft tokens the write plan keeps")
+    raise pool.refuse(PAD, f"DSpark verify window {window} exceeds {bound} ({said}): {how}, so a DeepSeek-V4 verify "
+                           f"step under-writes the compress-state ring and later compressions read stale KV, corrupting "
+                           f"output without an error ({THREADS}); safe: {SAFE}; a target without DeepSeek-V4 "
+                           f"compressed attention is not affected: switch {FLAG} off there")
+
+
+from . import FLAG, NAME  # noqa: E402  (the package defines them before it imports this file)
