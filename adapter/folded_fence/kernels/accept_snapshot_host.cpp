@@ -148,6 +148,22 @@ const std::vector<Py_ssize_t>* slot_offsets(const BoundaryScan& s, PyTypeObject*
   return reads.direct ? &reads.offsets : nullptr;
 }
 
+// What getattr(h, name, _UNSET) returns for each name whose slot is at `offsets`, read from the
+// slot, handed to `f` (kept alive around the call; its false stops the reading and is returned);
+// an unset slot is skipped, as getattr raises AttributeError there and the walk skips it.
+template <typename F>
+bool each_in_slots(PyObject* h, const std::vector<Py_ssize_t>& offsets, F&& f) {
+  for (Py_ssize_t offset : offsets) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
+    if (v == nullptr) continue;
+    Py_INCREF(v);
+    const bool go_on = f(v);
+    Py_DECREF(v);
+    if (!go_on) return false;
+  }
+  return true;
+}
+
 // holders.items(h)'s values, in its order, each handed to `f` (its false stops the reading); false
 // also where h is not read here exactly as holders.items reads it.
 template <typename F>
@@ -168,14 +184,7 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   PyObject* names = PyTuple_GET_ITEM(layout, 0);
   if (!PyTuple_CheckExact(names)) return false;
   if (const std::vector<Py_ssize_t>* offsets = slot_offsets(s, tp, names)) {
-    for (Py_ssize_t offset : *offsets) {  // what getattr(h, name, _UNSET) returns, read from the slot
-      PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
-      if (v == nullptr) continue;  // unset: getattr raises AttributeError, the walk skips it
-      Py_INCREF(v);
-      const bool go_on = f(v);
-      Py_DECREF(v);
-      if (!go_on) return false;
-    }
+    if (!each_in_slots(h, *offsets, f)) return false;
   } else {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); ++i) {  // getattr(h, name, _UNSET)
       PyObject* v = PyObject_GetAttr(h, PyTuple_GET_ITEM(names, i));
@@ -293,18 +302,11 @@ bool same_state(const BoundaryScan& s, PyObject* epilogue) {
   for (const Node& n : s.nodes) {
     PyObject* h = n.holder ? n.holder : epilogue;
     size_t at = 0;
-    if (n.offsets != nullptr && Py_TYPE(h) == n.slots_type && n.slots_tag == n.slots_type->tp_version_tag) {
-      for (Py_ssize_t offset : *n.offsets) {  // each_value's reading, without its lookups
-        PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
-        if (v != nullptr && (at >= n.slots.size() || !same_slot(s, v, n.slots[at++]))) return false;
-      }
-      if (at != n.slots.size()) return false;
-      continue;
-    }
-    const bool read = each_held(s, h, [&](PyObject* v) {
-      return at < n.slots.size() && same_slot(s, v, n.slots[at++]);
-    });
+    auto same = [&](PyObject* v) { return at < n.slots.size() && same_slot(s, v, n.slots[at++]); };
+    const bool direct = n.offsets != nullptr && Py_TYPE(h) == n.slots_type && n.slots_tag == n.slots_type->tp_version_tag;
+    const bool read = direct ? each_in_slots(h, *n.offsets, same) : each_held(s, h, same);  // direct: without lookups
     if (!read || at != n.slots.size()) return false;
+    if (direct) continue;
     n.offsets = slots_only(s, h);
     n.slots_type = Py_TYPE(h);
     n.slots_tag = n.offsets != nullptr ? Py_TYPE(h)->tp_version_tag : 0;
