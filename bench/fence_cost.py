@@ -30,10 +30,17 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
                    StaticVerifyIO views for 39 batch sizes): the map of its memory that the check
                    tests at each step is that much larger
   fence_boundary   fence + boundary check: the fence's whole cost per verify step
+  fence_boundary_captured  the same against the served-looking epilogue of boundary_captured:
+                   the fence's whole cost per verify step as a served engine pays it
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
 ring_replay (a captured copy into preallocated slots: a slot a stalled reader could
 still hold), cat_bytes (torch.cat of byte views: nine launches' worth of host time).
+
+The host moves between speeds for seconds at a time (the unfenced call took 13 us in some
+repetitions of one run and 23 us in others), so each figure over the unfenced call is taken within
+a repetition: per repetition, (variant - unfenced) / empty_launch of that same repetition, and the
+median of those is printed (L); the difference of the medians is kept in the JSON beside it.
 
 Also the launches each variant makes per call (CUDA runtime launch/copy calls, and
 kernels on the device), from the PyTorch profiler. Figures move between runs on a
@@ -173,11 +180,12 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         "boundary_python": (walked(unpatched), with_boundary),
         "boundary_captured": (unpatched, lambda: with_boundary(after_capture)),
         "fence_boundary": (fenced(True), with_boundary),
+        "fence_boundary_captured": (fenced(True), lambda: with_boundary(after_capture)),
     }
     if ext is not None:
         table = {"empty_launch": (unpatched, ext.empty_launch), **table}
     else:
-        for name in ("fence", "fence_general", "fence_boundary"):
+        for name in ("fence", "fence_general", "fence_boundary", "fence_boundary_captured"):
             table.pop(name)
     # Every fenced variant returns detached copies of the right values (checked untimed),
     # and the fence is the cheap form where the engine allows it.
@@ -221,6 +229,31 @@ def launches(call) -> dict:
     api = [e.name for e in events if any(k in e.name for k in ("LaunchKernel", "GraphLaunch", "cudaMemcpy", "cudaMemset"))]
     kernels = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     return {"launch_calls": len(api), "device_kernels": len(kernels)}
+
+
+def over_unfenced(row: dict, yard: str) -> dict:
+    """Each variant over the unfenced call: per repetition against that repetition's unfenced
+    call and yardstick (paired), the median of those; and the difference of the medians."""
+    base, launch = row["unfenced"], row[yard]
+    summary = {}
+    for name, v in row.items():
+        if name in ("empty_launch", "sleep0_launch", "unfenced"):
+            continue
+        paired = [(mine - theirs) for mine, theirs in zip(v["samples_us"], base["samples_us"])]
+        in_launches = [d / unit for d, unit in zip(paired, launch["samples_us"])]
+        summary[name] = {
+            "over_unfenced_us": round(statistics.median(paired), 2),
+            "over_in_launches": round(statistics.median(in_launches), 2),
+            "over_in_launches_spread": [round(x, 2) for x in quartiles(in_launches)],
+            "medians_over_unfenced_us": round(v["median_us"] - base["median_us"], 2),
+            "medians_over_in_launches": round((v["median_us"] - base["median_us"]) / launch["median_us"], 2),
+        }
+    return summary
+
+
+def quartiles(values: list) -> tuple:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
 
 
 def main(argv=None) -> int:
@@ -276,24 +309,13 @@ def main(argv=None) -> int:
         }
 
     yard = "empty_launch" if "empty_launch" in results[args.bs[0]] else "sleep0_launch"
-    summary = {}
-    for bs, row in results.items():
-        base = row["unfenced"]["median_us"]
-        launch = row[yard]["median_us"]
-        summary[bs] = {
-            name: {
-                "over_unfenced_us": round(v["median_us"] - base, 2),
-                "over_in_launches": round((v["median_us"] - base) / launch, 2),
-            }
-            for name, v in row.items()
-            if name not in ("empty_launch", "sleep0_launch", "unfenced")
-        }
+    summary = {bs: over_unfenced(row, yard) for bs, row in results.items()}
 
     names = list(results[args.bs[0]])
     print(f"\nfence cost: host us per call, median of {args.reps} x {args.calls} calls "
           f"({torch.cuda.get_device_name()}, torch {torch.__version__}); "
-          f"'+' = over unfenced, 'L' = in units of {yard}")
-    header = f"{'variant':<18}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
+          f"'+' = over unfenced and 'L' = that in units of {yard}, both within each repetition (the median)")
+    header = f"{'variant':<24}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
     print(header)
     for name in names:
         cells = []
@@ -304,8 +326,12 @@ def main(argv=None) -> int:
             cells.append(f"{cell:>26}")
         c = results[args.bs[0]][name]
         launch_txt = f"{c['launch_calls']}/{c['device_kernels']}" if "launch_calls" in c else "-"
-        print(f"{name:<18}" + "".join(cells) + f"{launch_txt:>10}")
+        print(f"{name:<24}" + "".join(cells) + f"{launch_txt:>10}")
     print("launches = CUDA runtime launch/copy calls / kernels on the device, per call")
+    print(f"spread: the quartiles of L over the {args.reps} repetitions")
+    for name in [n for n in names if n in summary[args.bs[0]]]:
+        print(f"{name:<24}" + "".join(f"{'%.2f..%.2f L' % tuple(summary[bs][name]['over_in_launches_spread']):>26}"
+                                      for bs in args.bs))
     print(f"accept_snapshot.copy_mode(): {copy_mode} (first call {load_s:.2f} s); boundary check: {fence_boundary.check_mode()}")
 
     if args.json:

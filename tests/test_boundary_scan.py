@@ -518,3 +518,121 @@ def test_an_epilogue_struct_whose_class_changes_is_walked_again(epilogue):
         assert routes == ["Data.a <- DsparkVerifyEpilogue.static_io[4].seq_lens"], routes
     finally:
         del Served.seq_lens
+
+
+# --- the compiled freshness test ---------------------------------------------------------------
+
+def _slot_deleted(epilogue, holder):
+    del holder.a
+    return None  # nothing new to hand out: the map only has to be read again
+
+
+def _free_slot_takes_a_view(epilogue, holder):
+    holder.b = epilogue.static_io[4].seq_lens[:1]  # where an int was (a free slot of the map)
+    return holder.b, "extra.b"
+
+
+def _struct_replaced(epilogue, holder):
+    from sglang.srt.speculative.dspark_components.dspark_verify import StaticVerifyIO
+
+    old, fresh = epilogue.static_io[4], torch.zeros(4, dtype=torch.int64)
+    epilogue.static_io[4] = StaticVerifyIO(**{**msgspec.structs.asdict(old), "seq_lens": fresh})
+    return fresh[:2], "static_io[4].seq_lens"
+
+
+def _field_rebound(epilogue, holder):
+    fresh = torch.zeros(4, dtype=torch.int64)
+    msgspec.structs.force_setattr(epilogue.static_io[8], "seq_lens", fresh)
+    return fresh[:2], "static_io[8].seq_lens"
+
+
+def _class_changed(epilogue, holder):
+    fresh = torch.zeros(4, dtype=torch.int64)
+    holder.__class__ = type("Rerouted", (Slotted,), {"__slots__": (), "a": property(lambda self: fresh)})
+    return fresh[:2], "extra.a"
+
+
+def _set_(epilogue, holder):
+    fresh = torch.zeros(64, dtype=torch.int64)
+    epilogue.static_io[8].positions.set_(fresh)
+    return fresh[:2], "static_io[8].positions"
+
+
+def _data(epilogue, holder):
+    fresh = torch.zeros(16, dtype=torch.int64)
+    epilogue.static_io[2].seq_lens.data = fresh
+    return fresh[:2], "static_io[2].seq_lens"
+
+
+def _swapped(epilogue, holder):
+    target = epilogue.static_io[4].positions
+    torch.utils.swap_tensors(target, torch.zeros_like(target))
+    return target[:2], "static_io[4].positions"
+
+
+def _resized(epilogue, holder):
+    base = epilogue.static_io[16].hidden
+    base.resize_(base.shape[0] * 64, base.shape[1])  # the storage every size shares grows: its memory moves
+    return base[:1], "static_io[1].hidden"  # the first holder of that storage the walk meets
+
+
+def _stored_in_vars(epilogue, holder):
+    fresh = torch.zeros(8, dtype=torch.int32)
+    vars(epilogue)["commit_lens_buf"] = fresh  # straight into the instance's __dict__
+    return fresh[:2], "commit_lens_buf"
+
+
+def _vars_replaced(epilogue, holder):
+    fresh = torch.zeros(8, dtype=torch.int32)
+    epilogue.__dict__ = {**vars(epilogue), "commit_lens_buf": fresh}  # another dict, equal but for one value
+    return fresh[:2], "commit_lens_buf"
+
+
+def _buffer_registered(epilogue, holder):
+    fresh = torch.zeros(4)
+    epilogue.commit_ctx.draft_model.register_buffer("late", fresh)  # an OrderedDict of the module's
+    return fresh[:2], "commit_ctx.draft_model._buffers['late']"
+
+
+def _static_io_updated(epilogue, holder):
+    from sglang.srt.speculative.dspark_components.dspark_verify import StaticVerifyIO
+
+    fresh = torch.zeros(4, dtype=torch.int64)
+    dict.update(epilogue.static_io, {3: StaticVerifyIO(**{**msgspec.structs.asdict(epilogue.static_io[2]), "seq_lens": fresh})})
+    return fresh[:2], "static_io[3].seq_lens"
+
+
+COMPILED_CHANGES = {f.__name__.strip("_"): f for f in (
+    _slot_deleted, _free_slot_takes_a_view, _struct_replaced, _field_rebound, _class_changed, _set_, _data, _swapped,
+    _resized, _stored_in_vars, _vars_replaced, _buffer_registered, _static_io_updated)}
+
+
+@pytest.mark.parametrize("change", list(COMPILED_CHANGES))
+def test_the_compiled_freshness_test_sees_each_change_on_the_step_it_appears(epilogue, change):
+    """After a full pass holds, the scan tests the map as flat reads: slots of structs and slotted
+    holders against the objects the map found, dicts and __dict__s by their versions, each tensor's
+    impl, storage and data. Each change made after it serves makes it unsure on that very step, and
+    the walk finds what the change brought in: a slot unset, a free slot taking a view, a struct
+    replaced in static_io or one added by dict.update, a field rebound, a slotted holder's class
+    changed, a tensor set_, .data =, swapped or resized, a value stored straight into the
+    epilogue's __dict__ or the __dict__ replaced, a buffer registered on the draft model."""
+    from bench.fence_host_cost import captured
+
+    captured(epilogue)  # static_io for every captured size up to MAX_BS, a commit context
+    holder = Slotted(torch.zeros(3), 7)
+    epilogue.extra = holder
+    result = Data(torch.zeros(2))
+    fence_boundary._walk(result, epilogue)
+    for _ in range(3):  # the first full pass compiles; the next ones are the compiled form's
+        assert verdicts(result, epilogue) == (True, [], set())
+    scan = fence_boundary._storages[id(epilogue)][4]
+    planted = COMPILED_CHANGES[change](epilogue, holder)
+    if planted is None:
+        assert scan(result, epilogue) is False
+        assert verdicts(result, epilogue) == (True, [], set())  # mapped again: serving again
+        return
+    view, route = planted
+    assert scan(Data(view), epilogue) is False
+    assert fence_boundary._walk(Data(view), epilogue)[1] == [f"Data.a <- DsparkVerifyEpilogue.{route}"]
+    handed = through_worker(Data(view), epilogue).a  # through check_results, as the worker's return
+    assert torch.equal(handed, view) and handed.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()

@@ -17,6 +17,7 @@
 #include <c10/core/impl/COW.h>
 #include <structmember.h>
 #include <algorithm>
+#include <utility>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -71,7 +72,28 @@ struct BoundaryScan {
   std::vector<const c10::TensorImpl*> impls;
   std::vector<const c10::StorageImpl*> storage_impls;
   std::vector<c10::DeleterFnPtr> deleters;
+  mutable uint64_t kinds_version = 0;  // kind_of's: KINDS's version, and the types met at it
+  mutable std::vector<std::pair<PyTypeObject*, PyObject*>> kinds_met;
+  std::vector<size_t> distinct_storages;  // the first tensor over each distinct StorageImpl
   std::vector<uintptr_t> storages;  // the map's storages
+  // same_state as flat reads, compiled from a full pass that held (compile_state); empty: none
+  mutable struct Compiled {
+    bool ready = false;
+    std::vector<std::pair<PyObject*, PyTypeObject*>> types;         // a holder read by its slots, its type then
+    std::vector<std::pair<PyTypeObject*, unsigned int>> tags;       // each such type, its version tag then
+    std::vector<PyObject**> at;                                      // each slot of those holders ...
+    std::vector<PyObject*> was;                                      // ... and what it held (nullptr: unset)
+    std::vector<std::pair<PyObject**, PyObject*>> marked;           // a slot the map marked free/beyond/any
+    std::vector<std::pair<PyObject*, uint64_t>> dicts;              // a dict the map read, its version then
+    struct Vars {                                                    // a holder read by vars(h) alone:
+      PyObject* holder;                                              // (nullptr: the epilogue)
+      PyTypeObject* type;                                            // its type, its __dict__ and that
+      PyObject* dict;                                                // dict's version then
+      uint64_t version;
+    };
+    std::vector<Vars> vars;
+    std::vector<size_t> read;                                        // the nodes read as each_held reads them
+  } compiled;
   int max_depth;
   long max_values;
   ~BoundaryScan() {
@@ -93,6 +115,67 @@ bool address_of(const at::Tensor& t, uintptr_t& address) {
   if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return false;
   address = reinterpret_cast<uintptr_t>(storage.data());
   return true;
+}
+
+// A dict's version (PEP 509): a new one, from one counter for the process, at its making and at
+// each change; 0 where this Python keeps none (3.14 dropped it), and the dict is read in full.
+uint64_t version_of(PyObject* d) {
+#if PY_VERSION_HEX < 0x030E0000
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  return reinterpret_cast<PyDictObject*>(d)->ma_version_tag;
+#pragma GCC diagnostic pop
+#else
+  return 0;
+#endif
+}
+
+// Whether this Python gives a dict a new version at every change the compiled test relies on, tried
+// once: an item of a dict set, replaced and deleted, and an attribute of an instance whose __dict__
+// was read stored, replaced and deleted through the instance (a path of its own in some releases).
+bool versions_kept() {
+  static const bool kept = [] {
+    bool changed = true;
+    PyObject* probe = PyObject_CallFunction((PyObject*)&PyType_Type, "s()N", "VersionProbe", PyDict_New());
+    PyObject* instance = probe ? PyObject_CallNoArgs(probe) : nullptr;
+    PyObject* d = instance ? PyObject_GetAttrString(instance, "__dict__") : nullptr;
+    PyObject* plain = PyDict_New();
+    PyObject *one = PyLong_FromLong(1), *two = PyLong_FromLong(2);
+    if (d == nullptr || plain == nullptr || !PyDict_CheckExact(d) || version_of(d) == 0) changed = false;
+    auto step = [&](PyObject* dict, auto&& change) {
+      const uint64_t before = version_of(dict);
+      changed = changed && change() == 0 && version_of(dict) != before;
+    };
+    step(plain, [&] { return PyDict_SetItemString(plain, "a", one); });
+    step(plain, [&] { return PyDict_SetItemString(plain, "a", two); });
+    step(plain, [&] { return PyDict_DelItemString(plain, "a"); });
+    if (changed) {
+      step(d, [&] { return PyObject_SetAttrString(instance, "a", one); });
+      step(d, [&] { return PyObject_SetAttrString(instance, "a", two); });
+      step(d, [&] { return PyObject_DelAttrString(instance, "a"); });
+    }
+    for (PyObject* o : {probe, instance, d, plain, one, two}) Py_XDECREF(o);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return changed;
+  }();
+  return kept;
+}
+
+// KINDS[tp] (borrowed), or nullptr (an error set where the lookup raised), as PyDict_GetItemWithError
+// answers; the types met are kept beside it while KINDS's version is the one they were met at
+// (KINDS owns its types and kinds, so none of them is freed meanwhile). A walk asks it per value.
+PyObject* kind_of(const BoundaryScan& s, PyTypeObject* tp) {
+  const uint64_t version = versions_kept() ? version_of(s.kinds) : 0;
+  if (version == 0 || version != s.kinds_version) {
+    s.kinds_met.clear();
+    s.kinds_version = version;
+  }
+  for (const auto& [met, kind] : s.kinds_met) {
+    if (met == tp) return kind;
+  }
+  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
+  if (kind != nullptr && version != 0 && s.kinds_met.size() < 64) s.kinds_met.emplace_back(tp, kind);
+  return kind;
 }
 
 // Each item a list or tuple `h` stores, then each value a dict `d` stores, handed to `f` (kept
@@ -169,7 +252,7 @@ bool each_in_slots(PyObject* h, const std::vector<Py_ssize_t>& offsets, F&& f) {
 template <typename F>
 bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
   PyTypeObject* tp = Py_TYPE(h);
-  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
+  PyObject* kind = kind_of(s, tp);
   if (kind == nullptr) return false;
   if (kind == s.leaf || kind == s.tensor) return true;  // items() gives nothing
   if (kind == s.sequence) {  // enumerate(h): the base type's own iterator only
@@ -211,7 +294,7 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
 const std::vector<Py_ssize_t>* slots_only(const BoundaryScan& s, PyObject* h) {
   PyTypeObject* tp = Py_TYPE(h);
   if (PyList_Check(h) || PyTuple_Check(h) || PyDict_Check(h)) return nullptr;
-  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)tp);
+  PyObject* kind = kind_of(s, tp);
   PyObject* layout = kind == s.holder ? PyDict_GetItemWithError(s.layouts, (PyObject*)tp) : nullptr;
   if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2 ||
       PyTuple_GET_ITEM(layout, 1) != Py_False || !PyTuple_CheckExact(PyTuple_GET_ITEM(layout, 0))) {
@@ -243,8 +326,10 @@ struct Walk {
 
 // One value a holder at `level` holds: true where the Python walk skips it or finds it clean.
 bool Walk::value(PyObject* v, int level) {
-  if (v == Py_None) return true;
-  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  if (v == Py_None || PyLong_CheckExact(v) || PyBool_Check(v) || PyFloat_CheckExact(v) || PyUnicode_CheckExact(v)) {
+    return true;  // leaves by holders' own rule: the walk skips them whatever KINDS has met
+  }
+  PyObject* kind = kind_of(s, Py_TYPE(v));
   if (kind == nullptr) return false;  // a type the walk has not met: it fills KINDS
   if (kind == s.leaf || v == epilogue) return true;
   if (--left < 0) return false;  // the walk's cut
@@ -264,7 +349,7 @@ bool is_leaf(const BoundaryScan& s, PyObject* v) {
   if (v == Py_None || PyLong_CheckExact(v) || PyBool_Check(v) || PyFloat_CheckExact(v) || PyUnicode_CheckExact(v)) {
     return true;
   }
-  return PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v)) == s.leaf;
+  return kind_of(s, Py_TYPE(v)) == s.leaf;
 }
 
 // fence_boundary._same: `v` may stand where the map found `slot`.
@@ -278,44 +363,165 @@ bool same_slot(const BoundaryScan& s, PyObject* v, PyObject* slot) {
     return true;
   }
   if (slot != s.beyond) return false;
-  PyObject* kind = PyDict_GetItemWithError(s.kinds, (PyObject*)Py_TYPE(v));
+  PyObject* kind = kind_of(s, Py_TYPE(v));
   return kind != nullptr && kind != s.tensor;
 }
 
-// Mapped tensor i is over the very memory it was bound over: the same TensorImpl (not swapped),
-// over the same StorageImpl (not set_ or .data = elsewhere), whose data is where it was (not
-// moved by a resize_) and not turned copy-on-write (its deleter). Inline reads only: this runs for
-// every tensor of the epilogue's memory, every step.
-bool over_bound_storage(const BoundaryScan& s, size_t i, const at::Tensor& t) {
-  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl == nullptr || impl != s.impls[i]) return false;
-  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-  if (storage == nullptr || storage != s.storage_impls[i]) return false;
-  const c10::DataPtr& data = storage->data_ptr();
-  return reinterpret_cast<uintptr_t>(data.get()) == s.addresses[i] && data.get_deleter() == s.deleters[i];
+// Every mapped tensor is over the very memory it was bound over, whatever a subclass would say: the
+// same TensorImpl (not swapped), over the same StorageImpl (not set_ or .data = elsewhere), whose
+// data is where it was (not moved by a resize_) and not turned copy-on-write (its deleter). This
+// runs for every tensor of the epilogue's memory, every step, so in three passes of loads that do
+// not wait on one another: each tensor's TensorImpl; then each impl's StorageImpl (the impls being
+// the bound ones, alive); then each distinct storage's data and deleter (likewise).
+bool tensors_hold(const BoundaryScan& s) {
+  const size_t count = s.tensors.size();
+  uintptr_t differs = 0;
+  for (size_t i = 0; i < count; ++i) {
+    PyObject* tensor = s.tensors[i];
+    const bool plain = Py_TYPE(tensor) == (PyTypeObject*)s.plain_tensor || Py_TYPE(tensor) == (PyTypeObject*)s.parameter;
+    if (!plain && !THPVariable_Check(tensor)) return false;
+    const c10::TensorImpl* impl = THPVariable_Unpack(tensor).unsafeGetTensorImpl();
+    differs |= reinterpret_cast<uintptr_t>(impl) ^ reinterpret_cast<uintptr_t>(s.impls[i]);
+  }
+  if (differs != 0) return false;
+  for (size_t i = 0; i < count; ++i) {
+    if (s.impls[i] == nullptr) return false;  // not read in place: the walk decides
+    differs |= reinterpret_cast<uintptr_t>(s.impls[i]->unsafe_storage().unsafeGetStorageImpl()) ^
+               reinterpret_cast<uintptr_t>(s.storage_impls[i]);
+  }
+  if (differs != 0) return false;
+  for (size_t i : s.distinct_storages) {
+    const c10::DataPtr& data = s.storage_impls[i]->data_ptr();
+    if (reinterpret_cast<uintptr_t>(data.get()) != s.addresses[i] || data.get_deleter() != s.deleters[i]) return false;
+  }
+  return true;
 }
 
-// fence_boundary._fresh: the same epilogue, every holder mapped holding what it held, every
-// tensor over the storage it had (a buffer re-pointed in place is the same object over other memory).
-bool same_state(const BoundaryScan& s, PyObject* epilogue) {
-  if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
-  for (const Node& n : s.nodes) {
-    PyObject* h = n.holder ? n.holder : epilogue;
-    size_t at = 0;
-    auto same = [&](PyObject* v) { return at < n.slots.size() && same_slot(s, v, n.slots[at++]); };
-    const bool direct = n.offsets != nullptr && Py_TYPE(h) == n.slots_type && n.slots_tag == n.slots_type->tp_version_tag;
-    const bool read = direct ? each_in_slots(h, *n.offsets, same) : each_held(s, h, same);  // direct: without lookups
-    if (!read || at != n.slots.size()) return false;
-    if (direct) continue;
+// Node n (of the epilogue's map) holds what the map found: read from its instance slots where its
+// type is as when found readable so (no lookups), else as _held reads it, after which it notes
+// whether its slots alone can serve next time.
+bool node_holds(const BoundaryScan& s, const Node& n, PyObject* epilogue) {
+  PyObject* h = n.holder ? n.holder : epilogue;
+  size_t at = 0;
+  auto same = [&](PyObject* v) { return at < n.slots.size() && same_slot(s, v, n.slots[at++]); };
+  const bool direct = n.offsets != nullptr && Py_TYPE(h) == n.slots_type && n.slots_tag == n.slots_type->tp_version_tag;
+  const bool read = direct ? each_in_slots(h, *n.offsets, same) : each_held(s, h, same);
+  if (!read || at != n.slots.size()) return false;
+  if (!direct) {
     n.offsets = slots_only(s, h);
     n.slots_type = Py_TYPE(h);
     n.slots_tag = n.offsets != nullptr ? Py_TYPE(h)->tp_version_tag : 0;
   }
-  for (size_t i = 0; i < s.tensors.size(); ++i) {  // the storage itself, whatever a subclass would say
-    PyObject* tensor = s.tensors[i];
-    const bool plain = Py_TYPE(tensor) == (PyTypeObject*)s.plain_tensor || Py_TYPE(tensor) == (PyTypeObject*)s.parameter;
-    if (!(plain || THPVariable_Check(tensor)) || !over_bound_storage(s, i, THPVariable_Unpack(tensor))) return false;
+  return true;
+}
+
+// Whether a holder of type `tp` is read by vars(h) alone (holders.items: a holder with no names
+// outside its __dict__); KINDS and _layouts keep what they found for a type, once.
+bool read_by_vars(const BoundaryScan& s, PyTypeObject* tp) {
+  PyObject* kind = kind_of(s, tp);
+  PyObject* layout = kind == s.holder ? PyDict_GetItemWithError(s.layouts, (PyObject*)tp) : nullptr;
+  if (PyErr_Occurred()) PyErr_Clear();
+  return layout != nullptr && PyTuple_CheckExact(layout) && PyTuple_GET_SIZE(layout) == 2 &&
+         PyTuple_CheckExact(PyTuple_GET_ITEM(layout, 0)) && PyTuple_GET_SIZE(PyTuple_GET_ITEM(layout, 0)) == 0 &&
+         PyTuple_GET_ITEM(layout, 1) == Py_True;
+}
+
+// same_state's holders as flat reads, from a full pass that just held: each slot of a holder read
+// by its slots becomes a load compared with what it holds now (the very object the map found, or
+// nullptr), its holder's type and that type's tag two more; a slot the map marked free, beyond or
+// any is judged as same_slot judges it. A dict (its own storage) holds while its version is the
+// same, and so does a holder read by vars(h) alone while its __dict__ is that same dict (a version
+// is never given twice, so a dict made where another was cannot pass for it). The other nodes
+// (lists, tuples, holders with slots and a __dict__) are read as node_holds reads them. The objects
+// compared stay alive: the nodes own them.
+void compile_state(const BoundaryScan& s, PyObject* epilogue) {
+  BoundaryScan::Compiled c;
+  for (size_t i = 0; i < s.nodes.size(); ++i) {
+    const Node& n = s.nodes[i];
+    PyObject* h = n.holder ? n.holder : epilogue;
+    if (n.offsets == nullptr || Py_TYPE(h) != n.slots_type || n.slots_tag != n.slots_type->tp_version_tag) {
+      if (PyDict_Check(h) && versions_kept()) {  // a dict's own storage, unchanged while its version is
+        c.dicts.emplace_back(h, version_of(h));
+        continue;
+      }
+      if (!PyList_Check(h) && !PyTuple_Check(h) && versions_kept() && read_by_vars(s, Py_TYPE(h))) {
+        PyObject* d = PyObject_GetAttr(h, s.dict_name);
+        if (d != nullptr && PyDict_CheckExact(d)) {
+          c.vars.push_back({n.holder, Py_TYPE(h), d, version_of(d)});
+          Py_DECREF(d);
+          continue;
+        }
+        Py_XDECREF(d);
+        if (PyErr_Occurred()) PyErr_Clear();
+      }
+      c.read.push_back(i);
+      continue;
+    }
+    c.types.emplace_back(h, n.slots_type);
+    if (std::find(c.tags.begin(), c.tags.end(), std::make_pair(n.slots_type, n.slots_tag)) == c.tags.end()) {
+      c.tags.emplace_back(n.slots_type, n.slots_tag);
+    }
+    size_t next = 0;
+    for (Py_ssize_t offset : *n.offsets) {
+      PyObject** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
+      PyObject* mapped = *slot == nullptr ? nullptr : n.slots[next++];
+      if (mapped == s.free || mapped == s.beyond || mapped == s.any) {
+        c.marked.emplace_back(slot, mapped);
+      } else {
+        c.at.push_back(slot);
+        c.was.push_back(mapped);
+      }
+    }
   }
+  c.ready = true;
+  s.compiled = std::move(c);
+}
+
+// The compiled holders hold: true only where a full pass would hold too (the same slots holding
+// the same objects, each marked slot judged alike, each other node read alike).
+bool compiled_holds(const BoundaryScan& s, PyObject* epilogue) {
+  const BoundaryScan::Compiled& c = s.compiled;
+  bool same = true;
+  for (const auto& [holder, type] : c.types) same &= Py_TYPE(holder) == type;
+  for (const auto& [type, tag] : c.tags) same &= type->tp_version_tag == tag;
+  if (!same) return false;  // a slot's offset may mean something else now: nothing read through it
+  for (size_t i = 0; i < c.at.size(); ++i) same &= *c.at[i] == c.was[i];
+  for (const auto& [dict, version] : c.dicts) same &= version_of(dict) == version;
+  if (!same) return false;
+  for (const auto& v : c.vars) {  // getattr(h, "__dict__") as each_value calls it: the same dict, unchanged
+    PyObject* h = v.holder ? v.holder : epilogue;
+    if (Py_TYPE(h) != v.type) return false;
+    PyObject* d = PyObject_GetAttr(h, s.dict_name);
+    const bool held = d == v.dict && version_of(d) == v.version;
+    Py_XDECREF(d);
+    if (!held) return false;
+  }
+  for (const auto& [slot, marker] : c.marked) {
+    PyObject* v = *slot;
+    if (v == nullptr) return false;
+    Py_INCREF(v);
+    const bool held = same_slot(s, v, marker);
+    Py_DECREF(v);
+    if (!held) return false;
+  }
+  for (size_t i : c.read) {
+    if (!node_holds(s, s.nodes[i], epilogue)) return false;
+  }
+  return true;
+}
+
+// fence_boundary._fresh: the same epilogue, every holder mapped holding what it held, every
+// tensor over the storage it had (a buffer re-pointed in place is the same object over other memory).
+// The compiled form answers where it holds; else the full pass, which compiles anew where it holds.
+bool same_state(const BoundaryScan& s, PyObject* epilogue) {
+  if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
+  if (s.compiled.ready && compiled_holds(s, epilogue)) return tensors_hold(s);
+  s.compiled.ready = false;
+  for (const Node& n : s.nodes) {
+    if (!node_holds(s, n, epilogue)) return false;
+  }
+  if (!tensors_hold(s)) return false;
+  compile_state(s, epilogue);
   return true;
 }
 
@@ -713,6 +919,10 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
     s->impls.push_back(impl);  // nullptr: never fresh, the Python walk decides
     s->storage_impls.push_back(impl ? impl->unsafe_storage().unsafeGetStorageImpl() : nullptr);
     s->deleters.push_back(impl ? impl->unsafe_storage().data_ptr().get_deleter() : nullptr);
+  }
+  for (size_t i = 0; i < s->tensors.size(); ++i) {
+    const auto first = std::find(s->storage_impls.begin(), s->storage_impls.end(), s->storage_impls[i]);
+    if (s->storage_impls[i] != nullptr && first == s->storage_impls.begin() + i) s->distinct_storages.push_back(i);
   }
   s->storages.assign(storages.begin(), storages.end());
   s->max_depth = (int)max_depth;
