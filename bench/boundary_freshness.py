@@ -3,13 +3,20 @@
 the bench's plain one, one whose static_io holds every captured batch size up to 256, one
 with only the commit context's draft model, and both (as a served epilogue looks).
 
-    python bench/boundary_freshness.py KERNEL_FILE
+    python bench/boundary_freshness.py KERNEL_FILE [--before OTHER_KERNEL_FILE]
 
 Microseconds per call, the median of 5 x 20000; the kernel file is a built
-dsv41_accept_snapshot.so (its native scan runs on the CPU too).
+dsv41_accept_snapshot.so (its native scan runs on the CPU too). With --before, a kernel
+file built from other sources of the pack (an earlier commit) is measured in the same run:
+each file in processes of its own (both carry one module name), three of each, alternating.
 """
 
+import argparse
+import importlib.machinery
+import importlib.util
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -31,11 +38,34 @@ def us(call, n: int = 20000) -> float:
     return sorted(samples)[2]
 
 
-def main() -> int:
-    library = accept_snapshot.load(sys.argv[1])[0]
+def other_sources(path: str):
+    """A kernel file of other sources, loaded as the pack's loader does but without its check
+    that the file was built from these sources (for comparison only: the pack refuses it)."""
+    import torch  # noqa: F401 - the library links against what torch loaded
+
+    name = accept_snapshot.MODULE
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
+    loader.exec_module(module)
+    return module
+
+
+def scan_of(library, epilogue):
+    """The scan `library` binds for `epilogue`'s map, the map made by the walk as a step would."""
     fence_boundary.reset()
     fence_boundary.use_native(library)
-    for label in ("plain", "static_io only", "commit_ctx only", "both"):
+    fence_boundary._checked(decode_result(8), epilogue)  # maps the epilogue, binds the scan
+    cached = fence_boundary._storages[id(epilogue)]
+    return cached[4], cached
+
+
+LABELS = ("plain", "static_io only", "commit_ctx only", "both")
+
+
+def measure(library) -> dict:
+    """label -> (us per scan(None), values mapped, tensors mapped)."""
+    found = {}
+    for label in LABELS:
         epilogue = dspark(256)[1]
         if label != "plain":
             captured(epilogue)
@@ -43,11 +73,34 @@ def main() -> int:
                 epilogue.commit_ctx = None
             if label == "commit_ctx only":
                 epilogue.static_io.clear()
-        fence_boundary._checked(decode_result(8), epilogue)  # maps the epilogue, binds the scan
-        cached = fence_boundary._storages[id(epilogue)]
-        scan = cached[4]
-        print(f"{label}: scan(None) {us(lambda: scan(None, epilogue)):.2f} us; "
-              f"values {sum(len(node[1]) for node in cached[1])} tensors {len(cached[2][0])}", flush=True)
+        scan, cached = scan_of(library, epilogue)
+        found[label] = (us(lambda: scan(None, epilogue)), sum(len(node[1]) for node in cached[1]), len(cached[2][0]))
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kernel")
+    parser.add_argument("--before", help="a kernel file built from an earlier commit's sources")
+    parser.add_argument("--one", choices=("this", "before"), help=argparse.SUPPRESS)  # a child's run
+    args = parser.parse_args()
+    if args.one:
+        library = accept_snapshot.load(args.kernel)[0] if args.one == "this" else other_sources(args.kernel)
+        print(json.dumps(measure(library)))
+        return 0
+    runs = {"this": args.kernel, **({"before": args.before} if args.before else {})}
+    figures = {name: [] for name in runs}
+    for _ in range(3):  # each kernel file in a process of its own (one module name), interleaved
+        for name, path in runs.items():
+            child = subprocess.run([sys.executable, __file__, path, "--one", name], capture_output=True, text=True)
+            if child.returncode != 0:
+                print(child.stderr[-3000:], file=sys.stderr)
+                return 1
+            figures[name].append(json.loads(child.stdout.strip().splitlines()[-1]))
+    for label in LABELS:
+        said = "; ".join(f"{name} {sorted(run[label][0] for run in values)[1]:.2f} us" for name, values in figures.items())
+        _, values, tensors = figures["this"][0][label]
+        print(f"{label}: scan(None) {said} (the median of 3 processes each); values {values} tensors {tensors}", flush=True)
     return 0
 
 
