@@ -5,7 +5,8 @@ with only the commit context's draft model, and both (as a served epilogue looks
 
     python bench/boundary_freshness.py KERNEL_FILE [--before OTHER_KERNEL_FILE]
 
-Microseconds per call, the median of 5 x 20000; the kernel file is a built
+Also the scan of a clean decode result (that test and the walk) and the worker's call through
+check_results (that and wrapt's). Microseconds per call, the median of 5 x 20000; the kernel file is a built
 dsv41_accept_snapshot.so (its native scan runs on the CPU too). With --before, a kernel
 file built from other sources of the pack (an earlier commit) is measured in the same run:
 each file in processes of its own (both carry one module name), three of each, alternating.
@@ -19,6 +20,8 @@ import os
 import subprocess
 import sys
 import time
+
+import wrapt
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -62,8 +65,23 @@ def scan_of(library, epilogue):
 LABELS = ("plain", "static_io only", "commit_ctx only", "both")
 
 
+def worker_of(epilogue, result):
+    """A worker whose forward_batch_generation returns `result`, wrapped with check_results as the
+    plan wraps DSparkWorkerV2's (wrapt), its epilogue `epilogue`."""
+    class Worker:
+        _verify_epilogue = epilogue
+
+        def forward_batch_generation(self, batch):
+            return result
+
+    Worker.forward_batch_generation = wrapt.FunctionWrapper(vars(Worker)["forward_batch_generation"],
+                                                            fence_boundary.check_results)
+    return Worker()
+
+
 def measure(library) -> dict:
-    """label -> (us per scan(None), values mapped, tensors mapped)."""
+    """label -> (us per scan(None), per scan(result), per worker call through check_results,
+    values mapped, tensors mapped); result: the bench's decode result at bs 8."""
     found = {}
     for label in LABELS:
         epilogue = dspark(256)[1]
@@ -74,7 +92,12 @@ def measure(library) -> dict:
             if label == "commit_ctx only":
                 epilogue.static_io.clear()
         scan, cached = scan_of(library, epilogue)
-        found[label] = (us(lambda: scan(None, epilogue)), sum(len(node[1]) for node in cached[1]), len(cached[2][0]))
+        result = decode_result(8)
+        worker = worker_of(epilogue, result)
+        assert worker.forward_batch_generation(None) is result and scan(result, epilogue)  # clean: nothing copied
+        found[label] = (us(lambda: scan(None, epilogue)), us(lambda: scan(result, epilogue)),
+                        us(lambda: worker.forward_batch_generation(None)),
+                        sum(len(node[1]) for node in cached[1]), len(cached[2][0]))
     return found
 
 
@@ -97,10 +120,14 @@ def main() -> int:
                 print(child.stderr[-3000:], file=sys.stderr)
                 return 1
             figures[name].append(json.loads(child.stdout.strip().splitlines()[-1]))
+    print("us per call, the median of 3 processes each: scan(None) (the map still holds), scan(result) (that and the"
+          " walk of a clean decode result), the worker's call through check_results (that and wrapt's)")
     for label in LABELS:
-        said = "; ".join(f"{name} {sorted(run[label][0] for run in values)[1]:.2f} us" for name, values in figures.items())
-        _, values, tensors = figures["this"][0][label]
-        print(f"{label}: scan(None) {said} (the median of 3 processes each); values {values} tensors {tensors}", flush=True)
+        values, tensors = figures["this"][0][label][3:]
+        print(f"{label} ({values} values, {tensors} tensors mapped):")
+        for at, what in enumerate(("scan(None)", "scan(result)", "worker call")):
+            said = "; ".join(f"{name} {sorted(run[label][at] for run in runs_of)[1]:.2f}" for name, runs_of in figures.items())
+            print(f"  {what:<13} {said}", flush=True)
     return 0
 
 
