@@ -5,8 +5,10 @@ with only the commit context's draft model, and both (as a served epilogue looks
 
     python bench/boundary_freshness.py KERNEL_FILE [--before OTHER_KERNEL_FILE]
 
-Also the scan of a clean decode result (that test and the walk) and the worker's call through
-check_results (that and wrapt's). Microseconds per call, the median of 5 x 20000; the kernel file is a built
+Also the scan of a clean decode result (that test and the walk), the worker's call through
+check_results (that and wrapt's), and what the check adds to a worker that returns a new result
+at each step as the engine's does (the same call unchecked beside it): reading a new holder's
+__dict__ makes that dict, which a result returned again has already. Microseconds per call, the median of 5 x 20000; the kernel file is a built
 dsv41_accept_snapshot.so (its native scan runs on the CPU too). With --before, a kernel
 file built from other sources of the pack (an earlier commit) is measured in the same run:
 each file in processes of its own (both carry one module name), three of each, alternating.
@@ -26,7 +28,7 @@ import wrapt
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary  # noqa: E402
-from bench.fence_host_cost import captured, decode_result, dspark  # noqa: E402
+from bench.fence_host_cost import captured, decode_result, dspark, rebuilt  # noqa: E402
 
 
 def us(call, n: int = 20000) -> float:
@@ -65,18 +67,25 @@ def scan_of(library, epilogue):
 LABELS = ("plain", "static_io only", "commit_ctx only", "both")
 
 
-def worker_of(epilogue, result):
-    """A worker whose forward_batch_generation returns `result`, wrapped with check_results as the
-    plan wraps DSparkWorkerV2's (wrapt), its epilogue `epilogue`."""
+def worker_of(epilogue, step, checked: bool = True):
+    """A worker whose forward_batch_generation returns step(), wrapped with check_results as the
+    plan wraps DSparkWorkerV2's (wrapt) where `checked`, its epilogue `epilogue`."""
     class Worker:
         _verify_epilogue = epilogue
 
         def forward_batch_generation(self, batch):
-            return result
+            return step()
 
-    Worker.forward_batch_generation = wrapt.FunctionWrapper(vars(Worker)["forward_batch_generation"],
-                                                            fence_boundary.check_results)
+    if checked:
+        Worker.forward_batch_generation = wrapt.FunctionWrapper(vars(Worker)["forward_batch_generation"],
+                                                                fence_boundary.check_results)
     return Worker()
+
+
+def paired(first, second) -> tuple:
+    """(us per call of first, of second), each the median of three measurements taken alternately."""
+    runs = [(us(first), us(second)) for _ in range(3)]
+    return sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1]
 
 
 def measure(library) -> dict:
@@ -93,10 +102,13 @@ def measure(library) -> dict:
                 epilogue.static_io.clear()
         scan, cached = scan_of(library, epilogue)
         result = decode_result(8)
-        worker = worker_of(epilogue, result)
+        worker = worker_of(epilogue, lambda: result)
         assert worker.forward_batch_generation(None) is result and scan(result, epilogue)  # clean: nothing copied
+        # a new result at each step, as the engine's worker returns: checked, and the same step unchecked
+        fresh, bare = worker_of(epilogue, lambda: rebuilt(result)), worker_of(epilogue, lambda: rebuilt(result), False)
+        checked_us, bare_us = paired(lambda: fresh.forward_batch_generation(None), lambda: bare.forward_batch_generation(None))
         found[label] = (us(lambda: scan(None, epilogue)), us(lambda: scan(result, epilogue)),
-                        us(lambda: worker.forward_batch_generation(None)),
+                        us(lambda: worker.forward_batch_generation(None)), checked_us - bare_us,
                         sum(len(node[1]) for node in cached[1]), len(cached[2][0]))
     return found
 
@@ -121,13 +133,14 @@ def main() -> int:
                 return 1
             figures[name].append(json.loads(child.stdout.strip().splitlines()[-1]))
     print("us per call, the median of 3 processes each: scan(None) (the map still holds), scan(result) (that and the"
-          " walk of a clean decode result), the worker's call through check_results (that and wrapt's)")
+          " walk of a clean decode result), the worker's call through check_results (that and wrapt's), and what the"
+          " check adds to a worker that returns a new result at each step (built alike, its holders' __dict__s unread)")
     for label in LABELS:
-        values, tensors = figures["this"][0][label][3:]
+        values, tensors = figures["this"][0][label][4:]
         print(f"{label} ({values} values, {tensors} tensors mapped):")
-        for at, what in enumerate(("scan(None)", "scan(result)", "worker call")):
+        for at, what in enumerate(("scan(None)", "scan(result)", "worker call", "check, new result")):
             said = "; ".join(f"{name} {sorted(run[label][at] for run in runs_of)[1]:.2f}" for name, runs_of in figures.items())
-            print(f"  {what:<13} {said}", flush=True)
+            print(f"  {what:<18} {said}", flush=True)
     return 0
 
 

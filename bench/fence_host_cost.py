@@ -108,6 +108,22 @@ def decode_result(bs: int, logprobs: bool = False, device="cpu"):
     )
 
 
+def rebuilt(result):
+    """A new GenerationBatchResult over `result`'s tensors, built as a step builds one: new holders
+    whose instance attributes nothing has read yet (reading a __dict__ makes it, once per object)."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
+
+    logits, draft = result.logits_output, result.next_draft_input
+    return GenerationBatchResult(
+        logits_output=LogitsProcessorOutput(next_token_logits=logits.next_token_logits, hidden_states=logits.hidden_states),
+        next_token_ids=result.next_token_ids, accept_lens=result.accept_lens, block_accept_lens=result.block_accept_lens,
+        cap_lens=None, can_run_cuda_graph=True, speculative_num_draft_tokens=STRIDE, new_seq_lens=result.new_seq_lens,
+        next_draft_input=make_draft_input_v2(bonus_tokens=draft.bonus_tokens, new_seq_lens=draft.new_seq_lens),
+    )
+
+
 def folded_kwargs(bs: int) -> dict:
     ids = torch.zeros(bs, STRIDE, dtype=torch.int64)
     return dict(folded_accept=True, bs=bs, verify_ids_2d=ids, target_logits=None, draft_block=None, sampling_info=None,
