@@ -3,12 +3,14 @@
 the bench's plain one, one whose static_io holds every captured batch size up to 256, one
 with only the commit context's draft model, and both (as a served epilogue looks).
 
-    python bench/boundary_freshness.py KERNEL_FILE [--before OTHER_KERNEL_FILE]
+    python bench/boundary_freshness.py KERNEL_FILE [--before OTHER_KERNEL_FILE] [--calls N]
 
 Also the scan of a clean decode result (that test and the walk), the worker's call through
 check_results (that and wrapt's), and what the check adds to a worker that returns a new result
 at each step as the engine's does (the same call unchecked beside it): reading a new holder's
-__dict__ makes that dict, which a result returned again has already. Microseconds per call, the median of 5 x 20000; the kernel file is a built
+__dict__ makes that dict, which a result returned again has already.
+
+Microseconds per call, the median of 5 x --calls (20000); the kernel file is a built
 dsv41_accept_snapshot.so (its native scan runs on the CPU too). With --before, a kernel
 file built from other sources of the pack (an earlier commit) is measured in the same run:
 each file in processes of its own (both carry one module name), three of each, alternating.
@@ -31,7 +33,11 @@ from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary  
 from bench.fence_host_cost import captured, decode_result, dspark, rebuilt  # noqa: E402
 
 
-def us(call, n: int = 20000) -> float:
+CALLS = 20000
+
+
+def us(call, n: int = 0) -> float:
+    n = n or CALLS
     for _ in range(200):
         call()
     samples = []
@@ -117,8 +123,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel")
     parser.add_argument("--before", help="a kernel file built from an earlier commit's sources")
+    parser.add_argument("--calls", type=int, default=CALLS, help="calls per measurement (default %(default)s)")
     parser.add_argument("--one", choices=("this", "before"), help=argparse.SUPPRESS)  # a child's run
     args = parser.parse_args()
+    globals()["CALLS"] = args.calls
     if args.one:
         library = accept_snapshot.load(args.kernel)[0] if args.one == "this" else other_sources(args.kernel)
         print(json.dumps(measure(library)))
@@ -127,11 +135,13 @@ def main() -> int:
     figures = {name: [] for name in runs}
     for _ in range(3):  # each kernel file in a process of its own (one module name), interleaved
         for name, path in runs.items():
-            child = subprocess.run([sys.executable, __file__, path, "--one", name], capture_output=True, text=True)
+            child = subprocess.run([sys.executable, __file__, path, "--one", name, "--calls", str(args.calls)],
+                                   capture_output=True, text=True)
             if child.returncode != 0:
                 print(child.stderr[-3000:], file=sys.stderr)
                 return 1
             figures[name].append(json.loads(child.stdout.strip().splitlines()[-1]))
+            print(f"{name}: {figures[name][-1]}", flush=True)  # as it comes, for a run cut short
     print("us per call, the median of 3 processes each: scan(None) (the map still holds), scan(result) (that and the"
           " walk of a clean decode result), the worker's call through check_results (that and wrapt's), and what the"
           " check adds to a worker that returns a new result at each step (built alike, its holders' __dict__s unread)")
