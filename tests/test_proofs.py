@@ -16,7 +16,7 @@ import time
 import pytest
 
 from sglang_dsv41_adapters import ADAPTERS, load
-from sglang_dsv41_adapters.engine import proofs
+from sglang_dsv41_adapters.engine import census, proofs
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.topology import Topology
 from harness import zygote
@@ -43,14 +43,21 @@ def kept(folder) -> dict:
     return {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if not p.name.startswith("digests-")}
 
 
+def as_a_later_process() -> None:
+    """Forget what this process knows of the proofs (what it read, wrote and hashed, and the
+    census's files per name): a later process has only the folders."""
+    proofs.forget()
+    census.reset()
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """An empty proof cache of this test, nothing of it known to this process yet."""
     folder = tmp_path / "proofs"
     monkeypatch.setenv(proofs.ENV, str(folder))
-    proofs.forget()
+    as_a_later_process()
     yield folder
-    proofs.forget()
+    as_a_later_process()
 
 
 def decided(engine=None) -> dict:
@@ -113,7 +120,7 @@ def test_a_file_changed_in_place_with_its_time_put_back_is_hashed_again(cache, t
         handle.write(b"VALUE = 2\n")
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert path.stat().st_mtime_ns == stat.st_mtime_ns and path.stat().st_size == stat.st_size
-    proofs.forget()  # a later process: it has only the record
+    as_a_later_process()  # it has only the record
     assert proofs.file_digests([str(path)]) != first == (proofs.digest(b"VALUE = 1\n"),)
 
 
@@ -135,11 +142,11 @@ def test_a_damaged_or_foreign_entry_is_ignored_and_said_once(cache, capfd):
     flipped.write_bytes(bytes(data))
     foreign.write_bytes(donor.read_bytes())  # whole and sound, but another key's
     capfd.readouterr()
-    proofs.forget()
+    as_a_later_process()
     assert decided() == before
     said = [line for line in capfd.readouterr().err.splitlines() if "proof cache" in line]
     assert len(said) == 1 and "corrupt or not its key's" in said[0], said
-    proofs.forget()
+    as_a_later_process()
     assert decided() == before  # the entries were proven and written again: nothing more to say
     assert "proof cache" not in capfd.readouterr().err
 
