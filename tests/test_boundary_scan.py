@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import random
 import sys
 import types
@@ -602,7 +603,19 @@ def _static_io_updated(epilogue, holder):
     return fresh[:2], "static_io[3].seq_lens"
 
 
+class _Loose:  # a plain class an enum member can be given (the same layout): a holder, not a leaf
+    pass
+
+
+def _free_value_turns_holder(epilogue, holder):
+    fresh = torch.zeros(4)
+    epilogue.mode.__class__ = _Loose  # the same object in the epilogue's __dict__, its version unchanged
+    vars(epilogue.mode)["payload"] = fresh
+    return fresh[:2], "mode.payload"
+
+
 COMPILED_CHANGES = {f.__name__.strip("_"): f for f in (
+    _free_value_turns_holder,
     _slot_deleted, _free_slot_takes_a_view, _struct_replaced, _field_rebound, _class_changed, _set_, _data, _swapped,
     _resized, _stored_in_vars, _vars_replaced, _buffer_registered, _static_io_updated)}
 
@@ -615,12 +628,14 @@ def test_the_compiled_freshness_test_sees_each_change_on_the_step_it_appears(epi
     the walk finds what the change brought in: a slot unset, a free slot taking a view, a struct
     replaced in static_io or one added by dict.update, a field rebound, a slotted holder's class
     changed, a tensor set_, .data =, swapped or resized, a value stored straight into the
-    epilogue's __dict__ or the __dict__ replaced, a buffer registered on the draft model."""
+    epilogue's __dict__ or the __dict__ replaced, a buffer registered on the draft model, a leaf of
+    the epilogue's __dict__ given a class that makes it a holder (no dict's version changes)."""
     from bench.fence_host_cost import captured
 
     captured(epilogue)  # static_io for every captured size up to MAX_BS, a commit context
     holder = Slotted(torch.zeros(3), 7)
     epilogue.extra = holder
+    epilogue.mode = enum.Enum("Mode", "ON").ON  # a leaf: a free slot of the map
     result = Data(torch.zeros(2))
     fence_boundary._walk(result, epilogue)
     for _ in range(3):  # the first full pass compiles; the next ones are the compiled form's

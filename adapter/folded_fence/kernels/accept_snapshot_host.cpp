@@ -92,6 +92,8 @@ struct BoundaryScan {
       uint64_t version;
     };
     std::vector<Vars> vars;
+    std::vector<std::pair<PyObject*, PyObject*>> kept;              // a value of those dicts the map marked free or
+                                                                     // beyond, and the marker: judged again each time
     std::vector<size_t> read;                                        // the nodes read as each_held reads them
   } compiled;
   int max_depth;
@@ -426,12 +428,26 @@ bool read_by_vars(const BoundaryScan& s, PyTypeObject* tp) {
          PyTuple_GET_ITEM(layout, 1) == Py_True;
 }
 
+// The values of dict `d` (node n's, as each_stored reads it) where the map marked a free or beyond
+// slot: the same object may be judged otherwise later (its class assigned), which no version shows.
+// They stay alive while d's version is the one compiled (d holds them), which is tested first.
+void keep_marked(BoundaryScan::Compiled& c, const BoundaryScan& s, const Node& n, PyObject* d) {
+  Py_ssize_t at = 0;
+  size_t next = 0;
+  PyObject *key, *v;
+  while (PyDict_Next(d, &at, &key, &v) && next < n.slots.size()) {
+    PyObject* mapped = n.slots[next++];
+    if (mapped == s.free || mapped == s.beyond) c.kept.emplace_back(v, mapped);
+  }
+}
+
 // same_state's holders as flat reads, from a full pass that just held: each slot of a holder read
 // by its slots becomes a load compared with what it holds now (the very object the map found, or
 // nullptr), its holder's type and that type's tag two more; a slot the map marked free, beyond or
 // any is judged as same_slot judges it. A dict (its own storage) holds while its version is the
 // same, and so does a holder read by vars(h) alone while its __dict__ is that same dict (a version
-// is never given twice, so a dict made where another was cannot pass for it). The other nodes
+// is never given twice, so a dict made where another was cannot pass for it); their values the map
+// marked free or beyond are judged again as same_slot judges them. The other nodes
 // (lists, tuples, holders with slots and a __dict__) are read as node_holds reads them. The objects
 // compared stay alive: the nodes own them.
 void compile_state(const BoundaryScan& s, PyObject* epilogue) {
@@ -442,12 +458,14 @@ void compile_state(const BoundaryScan& s, PyObject* epilogue) {
     if (n.offsets == nullptr || Py_TYPE(h) != n.slots_type || n.slots_tag != n.slots_type->tp_version_tag) {
       if (PyDict_Check(h) && versions_kept()) {  // a dict's own storage, unchanged while its version is
         c.dicts.emplace_back(h, version_of(h));
+        keep_marked(c, s, n, h);
         continue;
       }
       if (!PyList_Check(h) && !PyTuple_Check(h) && versions_kept() && read_by_vars(s, Py_TYPE(h))) {
         PyObject* d = PyObject_GetAttr(h, s.dict_name);
         if (d != nullptr && PyDict_CheckExact(d)) {
           c.vars.push_back({n.holder, Py_TYPE(h), d, version_of(d)});
+          keep_marked(c, s, n, d);
           Py_DECREF(d);
           continue;
         }
@@ -496,6 +514,12 @@ bool compiled_holds(const BoundaryScan& s, PyObject* epilogue) {
     Py_XDECREF(d);
     if (!held) return false;
   }
+  for (const auto& [value, marker] : c.kept) {  // alive: their dicts are as compiled
+    Py_INCREF(value);
+    const bool held = same_slot(s, value, marker);
+    Py_DECREF(value);
+    if (!held) return false;
+  }
   for (const auto& [slot, marker] : c.marked) {
     PyObject* v = *slot;
     if (v == nullptr) return false;
@@ -517,11 +541,21 @@ bool same_state(const BoundaryScan& s, PyObject* epilogue) {
   if ((PyWeakref_CheckRef(s.owner) ? PyWeakref_GetObject(s.owner) : s.owner) != epilogue) return false;
   if (s.compiled.ready && compiled_holds(s, epilogue)) return tensors_hold(s);
   s.compiled.ready = false;
-  for (const Node& n : s.nodes) {
-    if (!node_holds(s, n, epilogue)) return false;
-  }
-  if (!tensors_hold(s)) return false;
+  auto full = [&] {
+    for (const Node& n : s.nodes) {
+      if (!node_holds(s, n, epilogue)) return false;
+    }
+    return tensors_hold(s);
+  };
+  if (!full()) return false;
+  // The form compiled now serves only where a full pass made after it holds and nothing it keeps
+  // changed meanwhile: a pass may run Python (a getattr) that changes a dict it keeps by version.
   compile_state(s, epilogue);
+  if (!full()) {
+    s.compiled.ready = false;
+    return false;
+  }
+  s.compiled.ready = compiled_holds(s, epilogue);
   return true;
 }
 
