@@ -32,6 +32,11 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
   fence_boundary   fence + boundary check: the fence's whole cost per verify step
   fence_boundary_captured  the same against the served-looking epilogue of boundary_captured:
                    the fence's whole cost per verify step as a served engine pays it
+  step_floor       the unfenced call and a worker returning a new result at each step, as the
+                   engine's does (fence_host_cost.rebuilt: new holders over the same tensors), unwrapped
+  fence_boundary_step  fence + boundary check against the served-looking epilogue, the worker
+                   returning a new result at each step; over step_floor, not the unfenced call (the
+                   rows above hand one result back, whose holders' __dict__s a first read made)
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
 ring_replay (a captured copy into preallocated slots: a slot a stalled reader could
@@ -69,7 +74,7 @@ from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import patching, runtime  # noqa: E402
 from sglang_dsv41_adapters.framework.plan import Patch  # noqa: E402
-from bench.fence_host_cost import captured, decode_result  # noqa: E402  (the realistic worker result, static_io)
+from bench.fence_host_cost import captured, decode_result, rebuilt  # noqa: E402  (the realistic worker result, static_io)
 # the worker's arguments, as the GPU test passes them, and the fence switched on as a rank does
 from harness.fence import STRIDE, fence_on, folded_kwargs  # noqa: E402
 
@@ -156,6 +161,16 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
                                                             fence_boundary.check_results)
     worker, after_capture = Worker(), type("CapturedWorker", (Worker,), {"_verify_epilogue": full})()
 
+    class Served:  # a new result at each step, as the engine's worker returns, against the served-looking epilogue
+        _verify_epilogue = full
+
+        def forward_batch_generation(self, batch):
+            return rebuilt(result)
+
+    bare = Served()  # the floor of the step rows: the same worker, unwrapped
+    served = type("CheckedServed", (Served,), {"forward_batch_generation": wrapt.FunctionWrapper(
+        vars(Served)["forward_batch_generation"], fence_boundary.check_results)})()
+
     def with_boundary(worker=worker):
         outs = executor.accept_and_finalize(**kw)
         worker.forward_batch_generation(None)
@@ -181,11 +196,13 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         "boundary_captured": (unpatched, lambda: with_boundary(after_capture)),
         "fence_boundary": (fenced(True), with_boundary),
         "fence_boundary_captured": (fenced(True), lambda: with_boundary(after_capture)),
+        "step_floor": (unpatched, lambda: with_boundary(bare)),
+        "fence_boundary_step": (fenced(True), lambda: with_boundary(served)),
     }
     if ext is not None:
         table = {"empty_launch": (unpatched, ext.empty_launch), **table}
     else:
-        for name in ("fence", "fence_general", "fence_boundary", "fence_boundary_captured"):
+        for name in ("fence", "fence_general", "fence_boundary", "fence_boundary_captured", "fence_boundary_step"):
             table.pop(name)
     # Every fenced variant returns detached copies of the right values (checked untimed),
     # and the fence is the cheap form where the engine allows it.
@@ -202,6 +219,8 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
     # The boundary rows check fresh tensors: nothing to copy, and the check that serves them is said.
     assert worker.forward_batch_generation(None) is result and fence_boundary.detach_escapes(result, epilogue)[1] == []
     assert after_capture.forward_batch_generation(None) is result and fence_boundary.detach_escapes(result, full)[1] == []
+    fresh = served.forward_batch_generation(None)
+    assert fresh is not result and fresh.accept_lens is result.accept_lens, "a new result over the same tensors, unchanged"
     print(f"bs={bs}: the boundary check is {fence_boundary.check_mode()}", flush=True)
     unpatched()
     return table
@@ -231,14 +250,20 @@ def launches(call) -> dict:
     return {"launch_calls": len(api), "device_kernels": len(kernels)}
 
 
+# A row over a floor of its own (else over the unfenced call): the whole fenced step with a new
+# result each step, over the unpatched call and the same worker unwrapped.
+FLOORS = {"fence_boundary_step": "step_floor"}
+
+
 def over_unfenced(row: dict, yard: str) -> dict:
-    """Each variant over the unfenced call: per repetition against that repetition's unfenced
-    call and yardstick (paired), the median of those; and the difference of the medians."""
-    base, launch = row["unfenced"], row[yard]
+    """Each variant over its floor (the unfenced call, or FLOORS'): per repetition against that
+    repetition's floor and yardstick (paired), the median of those; and the difference of the medians."""
+    launch = row[yard]
     summary = {}
     for name, v in row.items():
-        if name in ("empty_launch", "sleep0_launch", "unfenced"):
+        if name in ("empty_launch", "sleep0_launch", "unfenced", *FLOORS.values()) or FLOORS.get(name, "unfenced") not in row:
             continue
+        base = row[FLOORS.get(name, "unfenced")]
         paired = [(mine - theirs) for mine, theirs in zip(v["samples_us"], base["samples_us"])]
         in_launches = [d / unit for d, unit in zip(paired, launch["samples_us"])]
         summary[name] = {
@@ -314,7 +339,8 @@ def main(argv=None) -> int:
     names = list(results[args.bs[0]])
     print(f"\nfence cost: host us per call, median of {args.reps} x {args.calls} calls "
           f"({torch.cuda.get_device_name()}, torch {torch.__version__}); "
-          f"'+' = over unfenced and 'L' = that in units of {yard}, both within each repetition (the median)")
+          f"'+' = over unfenced (fence_boundary_step: over step_floor) and 'L' = that in units of {yard}, both within each "
+          "repetition (the median)")
     header = f"{'variant':<24}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
     print(header)
     for name in names:
