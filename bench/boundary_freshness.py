@@ -12,25 +12,21 @@ __dict__ makes that dict, which a result returned again has already.
 
 Microseconds per call, the median of 5 x --calls (20000); the kernel file is a built
 dsv41_accept_snapshot.so (its native scan runs on the CPU too). With --before, a kernel
-file built from other sources of the pack (an earlier commit) is measured in the same run:
+file built from other sources of the pack (an earlier commit; loaded unchecked) is measured in the same run:
 each file in processes of its own (both carry one module name), three of each, alternating.
 """
 
 import argparse
-import importlib.machinery
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 
-import wrapt
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary  # noqa: E402
-from bench.fence_host_cost import captured, decode_result, dspark, rebuilt  # noqa: E402
+from bench.fence_host_cost import captured, decode_result, dspark, rebuilt, worker_of  # noqa: E402
 
 
 CALLS = 20000
@@ -49,18 +45,6 @@ def us(call, n: int = 0) -> float:
     return sorted(samples)[2]
 
 
-def other_sources(path: str):
-    """A kernel file of other sources, loaded as the pack's loader does but without its check
-    that the file was built from these sources (for comparison only: the pack refuses it)."""
-    import torch  # noqa: F401 - the library links against what torch loaded
-
-    name = accept_snapshot.MODULE
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
-    loader.exec_module(module)
-    return module
-
-
 def scan_of(library, epilogue):
     """The scan `library` binds for `epilogue`'s map, the map made by the walk as a step would."""
     fence_boundary.reset()
@@ -71,21 +55,6 @@ def scan_of(library, epilogue):
 
 
 LABELS = ("plain", "static_io only", "commit_ctx only", "both")
-
-
-def worker_of(epilogue, step, checked: bool = True):
-    """A worker whose forward_batch_generation returns step(), wrapped with check_results as the
-    plan wraps DSparkWorkerV2's (wrapt) where `checked`, its epilogue `epilogue`."""
-    class Worker:
-        _verify_epilogue = epilogue
-
-        def forward_batch_generation(self, batch):
-            return step()
-
-    if checked:
-        Worker.forward_batch_generation = wrapt.FunctionWrapper(vars(Worker)["forward_batch_generation"],
-                                                                fence_boundary.check_results)
-    return Worker()
 
 
 def paired(first, second) -> tuple:
@@ -108,10 +77,11 @@ def measure(library) -> dict:
                 epilogue.static_io.clear()
         scan, cached = scan_of(library, epilogue)
         result = decode_result(8)
-        worker = worker_of(epilogue, lambda: result)
+        worker = worker_of(epilogue, lambda self, batch: result)
         assert worker.forward_batch_generation(None) is result and scan(result, epilogue)  # clean: nothing copied
         # a new result at each step, as the engine's worker returns: checked, and the same step unchecked
-        fresh, bare = worker_of(epilogue, lambda: rebuilt(result)), worker_of(epilogue, lambda: rebuilt(result), False)
+        step = lambda self, batch: rebuilt(result)  # noqa: E731
+        fresh, bare = worker_of(epilogue, step), worker_of(epilogue, step, checked=False)
         checked_us, bare_us = paired(lambda: fresh.forward_batch_generation(None), lambda: bare.forward_batch_generation(None))
         found[label] = (us(lambda: scan(None, epilogue)), us(lambda: scan(result, epilogue)),
                         us(lambda: worker.forward_batch_generation(None)), checked_us - bare_us,
@@ -128,7 +98,7 @@ def main() -> int:
     args = parser.parse_args()
     globals()["CALLS"] = args.calls
     if args.one:
-        library = accept_snapshot.load(args.kernel)[0] if args.one == "this" else other_sources(args.kernel)
+        library = accept_snapshot.load(args.kernel)[0] if args.one == "this" else accept_snapshot.imported(args.kernel)
         print(json.dumps(measure(library)))
         return 0
     runs = {"this": args.kernel, **({"before": args.before} if args.before else {})}

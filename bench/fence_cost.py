@@ -68,13 +68,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import wrapt  # noqa: E402
 
 from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import patching, runtime  # noqa: E402
 from sglang_dsv41_adapters.framework.plan import Patch  # noqa: E402
-from bench.fence_host_cost import captured, decode_result, rebuilt  # noqa: E402  (the realistic worker result, static_io)
+from bench.fence_host_cost import captured, decode_result, rebuilt, worker_of  # noqa: E402  (the realistic worker result, static_io)
 # the worker's arguments, as the GPU test passes them, and the fence switched on as a rank does
 from harness.fence import STRIDE, fence_on, folded_kwargs  # noqa: E402
 
@@ -151,25 +150,13 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         outs = executor.accept_and_finalize(**kw)
         return verify.AcceptOuts(**{name: getattr(outs, name).clone() for name in FIELDS})
 
-    class Worker:  # DSparkWorkerV2's return, wrapped as the plan wraps forward_batch_generation
-        _verify_epilogue = epilogue
-
-        def forward_batch_generation(self, batch):
-            return result
-
-    Worker.forward_batch_generation = wrapt.FunctionWrapper(vars(Worker)["forward_batch_generation"],
-                                                            fence_boundary.check_results)
-    worker, after_capture = Worker(), type("CapturedWorker", (Worker,), {"_verify_epilogue": full})()
-
-    class Served:  # a new result at each step, as the engine's worker returns, against the served-looking epilogue
-        _verify_epilogue = full
-
-        def forward_batch_generation(self, batch):
-            return rebuilt(result)
-
-    bare = Served()  # the floor of the step rows: the same worker, unwrapped
-    served = type("CheckedServed", (Served,), {"forward_batch_generation": wrapt.FunctionWrapper(
-        vars(Served)["forward_batch_generation"], fence_boundary.check_results)})()
+    # DSparkWorkerV2's return, wrapped as the plan wraps forward_batch_generation: the same result at
+    # each step, against the bench's epilogue and the served-looking one; then a new result at each
+    # step as the engine's worker returns, against the served-looking epilogue, and unwrapped (the
+    # floor of the step rows)
+    same, new = (lambda self, batch: result), (lambda self, batch: rebuilt(result))
+    worker, after_capture = worker_of(epilogue, same), worker_of(full, same)
+    served, bare = worker_of(full, new), worker_of(full, new, checked=False)
 
     def with_boundary(worker=worker):
         outs = executor.accept_and_finalize(**kw)

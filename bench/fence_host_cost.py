@@ -124,6 +124,15 @@ def rebuilt(result):
     )
 
 
+def worker_of(epilogue, step, checked: bool = True):
+    """A worker whose forward_batch_generation is `step` (self, batch) -> result, wrapped with
+    check_results as the plan wraps DSparkWorkerV2's (wrapt) where `checked`; its epilogue `epilogue`."""
+    import wrapt
+
+    method = wrapt.FunctionWrapper(step, fence_boundary.check_results) if checked else step
+    return type("Worker", (), {"_verify_epilogue": epilogue, "forward_batch_generation": method})()
+
+
 def folded_kwargs(bs: int) -> dict:
     ids = torch.zeros(bs, STRIDE, dtype=torch.int64)
     return dict(folded_accept=True, bs=bs, verify_ids_2d=ids, target_logits=None, draft_block=None, sampling_info=None,

@@ -253,18 +253,26 @@ def _info(kernel) -> dict:
     return dict(part.partition("=")[::2] for part in kernel.build_info().split(";"))
 
 
-def load(path: str):
-    """Load the kernel file with Python's extension loader, by path; check that it was
-    built from these sources against this torch. Returns (module, its arch list)."""
+def imported(path: str):
+    """The kernel file at `path` as a module, by Python's extension loader, unchecked."""
     import importlib.machinery
     import importlib.util
 
-    import torch  # the library links against the libraries torch has loaded
+    import torch  # noqa: F401 - the library links against the libraries torch has loaded
 
     loader = importlib.machinery.ExtensionFileLoader(MODULE, path)
     spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
     kernel = importlib.util.module_from_spec(spec)
     loader.exec_module(kernel)
+    return kernel
+
+
+def load(path: str):
+    """Load the kernel file with Python's extension loader, by path; check that it was
+    built from these sources against this torch. Returns (module, its arch list)."""
+    import torch
+
+    kernel = imported(path)
     info = _info(kernel)
     if info.get("source") != SOURCE_HASH:
         raise ImportError(f"built from other sources ({info.get('source')}; this pack's: {SOURCE_HASH})")

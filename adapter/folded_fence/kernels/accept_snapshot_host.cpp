@@ -180,17 +180,22 @@ PyObject* kind_of(const BoundaryScan& s, PyTypeObject* tp) {
   return kind;
 }
 
+// f(v) with `v` (a borrowed reference) kept alive around the call: f may run Python that drops it.
+template <typename F>
+bool handed(PyObject* v, F&& f) {
+  Py_INCREF(v);
+  const bool answer = f(v);
+  Py_DECREF(v);
+  return answer;
+}
+
 // Each item a list or tuple `h` stores, then each value a dict `d` stores, handed to `f` (kept
 // alive around the call; its false stops the reading and is returned).
 template <typename F>
 bool each_item(PyObject* h, F&& f) {
   const bool list = PyList_Check(h);
   for (Py_ssize_t i = 0; i < (list ? PyList_GET_SIZE(h) : PyTuple_GET_SIZE(h)); ++i) {
-    PyObject* v = list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i);
-    Py_INCREF(v);
-    const bool go_on = f(v);
-    Py_DECREF(v);
-    if (!go_on) return false;
+    if (!handed(list ? PyList_GET_ITEM(h, i) : PyTuple_GET_ITEM(h, i), f)) return false;
   }
   return true;
 }
@@ -201,10 +206,7 @@ bool each_stored(PyObject* d, F&& f) {
   Py_ssize_t at = 0;
   PyObject *key, *v;
   while (PyDict_Next(d, &at, &key, &v)) {
-    Py_INCREF(v);
-    const bool go_on = f(v);
-    Py_DECREF(v);
-    if (!go_on || PyDict_GET_SIZE(d) != size) return false;
+    if (!handed(v, f) || PyDict_GET_SIZE(d) != size) return false;
   }
   return true;
 }
@@ -240,12 +242,22 @@ template <typename F>
 bool each_in_slots(PyObject* h, const std::vector<Py_ssize_t>& offsets, F&& f) {
   for (Py_ssize_t offset : offsets) {
     PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(h) + offset);
-    if (v == nullptr) continue;
-    Py_INCREF(v);
-    const bool go_on = f(v);
-    Py_DECREF(v);
-    if (!go_on) return false;
+    if (v != nullptr && !handed(v, f)) return false;
   }
+  return true;
+}
+
+// holders._layouts[tp] (for a type KINDS has as a holder): the names it stores outside __dict__ (a
+// tuple, borrowed) and whether it has a __dict__; false (no error left) where it has none of that shape.
+bool holder_layout(const BoundaryScan& s, PyTypeObject* tp, PyObject*& names, bool& has_dict) {
+  PyObject* layout = PyDict_GetItemWithError(s.layouts, (PyObject*)tp);
+  if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2 ||
+      !PyTuple_CheckExact(PyTuple_GET_ITEM(layout, 0)) || !PyBool_Check(PyTuple_GET_ITEM(layout, 1))) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    return false;
+  }
+  names = PyTuple_GET_ITEM(layout, 0);
+  has_dict = PyTuple_GET_ITEM(layout, 1) == Py_True;
   return true;
 }
 
@@ -263,11 +275,9 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
     return each_item(h, f);
   }
   if (kind == s.mapping) return PyDict_CheckExact(h) && each_stored(h, f);  // a subclass may read otherwise
-  if (kind != s.holder) return false;
-  PyObject* layout = PyDict_GetItemWithError(s.layouts, (PyObject*)tp);
-  if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2) return false;
-  PyObject* names = PyTuple_GET_ITEM(layout, 0);
-  if (!PyTuple_CheckExact(names)) return false;
+  PyObject* names;
+  bool has_dict;
+  if (kind != s.holder || !holder_layout(s, tp, names, has_dict)) return false;
   if (const std::vector<Py_ssize_t>* offsets = slot_offsets(s, tp, names)) {
     if (!each_in_slots(h, *offsets, f)) return false;
   } else {
@@ -283,7 +293,7 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
       if (!go_on) return false;
     }
   }
-  if (PyTuple_GET_SIZE(names) != 0 && PyTuple_GET_ITEM(layout, 1) != Py_True) return true;
+  if (PyTuple_GET_SIZE(names) != 0 && !has_dict) return true;
   PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
   if (d == nullptr) return false;
   const bool done = PyDict_CheckExact(d) && each_stored(d, f);
@@ -294,16 +304,14 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
 // The slot offsets each_value reads `h` by where that is all it reads (a holder whose layout has
 // no __dict__, read from its slots: not a list, tuple or dict), else nullptr.
 const std::vector<Py_ssize_t>* slots_only(const BoundaryScan& s, PyObject* h) {
-  PyTypeObject* tp = Py_TYPE(h);
   if (PyList_Check(h) || PyTuple_Check(h) || PyDict_Check(h)) return nullptr;
-  PyObject* kind = kind_of(s, tp);
-  PyObject* layout = kind == s.holder ? PyDict_GetItemWithError(s.layouts, (PyObject*)tp) : nullptr;
-  if (layout == nullptr || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2 ||
-      PyTuple_GET_ITEM(layout, 1) != Py_False || !PyTuple_CheckExact(PyTuple_GET_ITEM(layout, 0))) {
+  PyObject* names;
+  bool has_dict;
+  if (kind_of(s, Py_TYPE(h)) != s.holder || !holder_layout(s, Py_TYPE(h), names, has_dict) || has_dict) {
     if (PyErr_Occurred()) PyErr_Clear();
     return nullptr;
   }
-  return slot_offsets(s, tp, PyTuple_GET_ITEM(layout, 0));
+  return slot_offsets(s, Py_TYPE(h), names);
 }
 
 // fence_boundary._held: what a holder of the epilogue's memory holds, a list's, tuple's or
@@ -420,12 +428,12 @@ bool node_holds(const BoundaryScan& s, const Node& n, PyObject* epilogue) {
 // Whether a holder of type `tp` is read by vars(h) alone (holders.items: a holder with no names
 // outside its __dict__); KINDS and _layouts keep what they found for a type, once.
 bool read_by_vars(const BoundaryScan& s, PyTypeObject* tp) {
-  PyObject* kind = kind_of(s, tp);
-  PyObject* layout = kind == s.holder ? PyDict_GetItemWithError(s.layouts, (PyObject*)tp) : nullptr;
+  PyObject* names;
+  bool has_dict;
+  const bool vars_alone = kind_of(s, tp) == s.holder && holder_layout(s, tp, names, has_dict) &&
+                          PyTuple_GET_SIZE(names) == 0 && has_dict;
   if (PyErr_Occurred()) PyErr_Clear();
-  return layout != nullptr && PyTuple_CheckExact(layout) && PyTuple_GET_SIZE(layout) == 2 &&
-         PyTuple_CheckExact(PyTuple_GET_ITEM(layout, 0)) && PyTuple_GET_SIZE(PyTuple_GET_ITEM(layout, 0)) == 0 &&
-         PyTuple_GET_ITEM(layout, 1) == Py_True;
+  return vars_alone;
 }
 
 // The values of dict `d` (node n's, as each_stored reads it) where the map marked a free or beyond
@@ -491,8 +499,7 @@ void compile_state(const BoundaryScan& s, PyObject* epilogue) {
       }
     }
   }
-  c.ready = true;
-  s.compiled = std::move(c);
+  s.compiled = std::move(c);  // not ready: same_state says when it may serve
 }
 
 // The compiled holders hold: true only where a full pass would hold too (the same slots holding
@@ -514,19 +521,14 @@ bool compiled_holds(const BoundaryScan& s, PyObject* epilogue) {
     Py_XDECREF(d);
     if (!held) return false;
   }
+  auto judged = [&](PyObject* value, PyObject* marker) {
+    return value != nullptr && handed(value, [&](PyObject* v) { return same_slot(s, v, marker); });
+  };
   for (const auto& [value, marker] : c.kept) {  // alive: their dicts are as compiled
-    Py_INCREF(value);
-    const bool held = same_slot(s, value, marker);
-    Py_DECREF(value);
-    if (!held) return false;
+    if (!judged(value, marker)) return false;
   }
   for (const auto& [slot, marker] : c.marked) {
-    PyObject* v = *slot;
-    if (v == nullptr) return false;
-    Py_INCREF(v);
-    const bool held = same_slot(s, v, marker);
-    Py_DECREF(v);
-    if (!held) return false;
+    if (!judged(*slot, marker)) return false;
   }
   for (size_t i : c.read) {
     if (!node_holds(s, s.nodes[i], epilogue)) return false;
