@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import gc
 import random
 import sys
 import types
@@ -651,3 +652,91 @@ def test_the_compiled_freshness_test_sees_each_change_on_the_step_it_appears(epi
     assert fence_boundary._walk(Data(view), epilogue)[1] == [f"Data.a <- DsparkVerifyEpilogue.{route}"]
     handed = through_worker(Data(view), epilogue).a  # through check_results, as the worker's return
     assert torch.equal(handed, view) and handed.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+
+
+# --- a plain instance read without making its __dict__ ------------------------------------------
+
+def _dict_made(obj) -> bool:
+    """Whether CPython made obj's __dict__ (the collector then visits that dict, not the values)."""
+    return any(type(r) is dict for r in gc.get_referents(obj))
+
+
+def test_a_new_result_is_read_without_making_its_dict_and_a_view_in_it_is_caught(epilogue):
+    """A dataclass built anew each step: the scan reads its attributes as the collector does,
+    making no __dict__ (a cost per object, at each step), and still sees a view in it."""
+    fence_boundary._walk(Data(torch.zeros(2), b=Data(1)), epilogue)  # the walk meets the types
+    result = Data(torch.zeros(2), b=Data(torch.zeros(1)))
+    assert fence_boundary._cache(epilogue)[4](result, epilogue) is True
+    assert not _dict_made(result) and not _dict_made(result.b)
+    for planted in (Data(epilogue.commit_lens_buf[:2]), Data(None, b=Data(epilogue.commit_lens_buf[:2]))):
+        assert fence_boundary._cache(epilogue)[4](planted, epilogue) is False and not _dict_made(planted)
+        handed = through_worker(planted, epilogue)
+        assert shares(handed, epilogue) == []
+    result = Data(torch.zeros(2))
+    vars(result)  # made by a reader: read as a dict, the same answer
+    assert _dict_made(result) and fence_boundary._cache(epilogue)[4](result, epilogue) is True
+
+
+class ShownDict:
+    """An instance whose __dict__ attribute shows other than what it holds: vars() reads that."""
+    shown: dict = {}
+
+    @property
+    def __dict__(self):
+        return type(self).shown
+
+
+class GetattributeDict:
+    shown: dict = {}
+
+    def __getattribute__(self, name):
+        return type(self).shown if name == "__dict__" else object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("cls", [ShownDict, GetattributeDict])
+def test_an_instance_whose_dict_reads_otherwise_is_read_through_vars(epilogue, cls):
+    """What the walk reads is vars(h): where a class shows a __dict__ of its own making, the scan
+    reads that too (not the values the instance holds), and is unsure where it shows a view."""
+    holder = cls()
+    object.__setattr__(holder, "kept", torch.zeros(2))
+    cls.shown = {"v": torch.zeros(2)}
+    fence_boundary._walk(Data(holder), epilogue)
+    assert verdicts(Data(holder), epilogue) == (True, [], set())
+    object.__setattr__(holder, "kept", epilogue.commit_lens_buf[:2])  # held, not shown: neither reads it
+    assert verdicts(Data(holder), epilogue) == (True, [], set())
+    cls.shown = {"v": epilogue.commit_lens_buf[:2]}  # shown: both see it
+    clean, routes, _ = verdicts(Data(holder), epilogue)
+    assert clean is False and routes == ["Data.a.v <- DsparkVerifyEpilogue.commit_lens_buf"], routes
+
+
+@pytest.mark.parametrize("meddle", ["none", "store", "delete"])
+def test_a_plain_instance_changed_while_it_is_read_is_unsure(epilogue, meddle):
+    """The values of a plain instance are read once, then judged one by one; a judgment that runs
+    Python (a property) may store into or delete from that instance meanwhile. The scan then
+    reads it again and is unsure where it changed, never using a value it no longer holds."""
+    box = []
+
+    def meddling(self):
+        outer = box[0]
+        if meddle == "store":
+            outer.late = epilogue.commit_lens_buf[:2]
+        elif meddle == "delete":
+            try:
+                del outer.b  # the only holder of its list (vars() would make the __dict__)
+            except AttributeError:
+                pass
+        return None
+
+    Meddling = type("Meddling", (), {"__slots__": (), "field": property(meddling)})
+    holders._layouts[Meddling] = (("field",), False)  # a holder read by getattr: the property runs
+    box.append(Data(1, b=[2]))
+    fence_boundary._walk(Data(Meddling(), b=[torch.zeros(1)]), epilogue)  # the walk meets the types
+    outer = Data(Meddling(), b=[torch.zeros(1)])
+    box[0] = outer
+    assert not _dict_made(outer) and type(outer.a) in holders.KINDS
+    assert fence_boundary._cache(epilogue)[4](outer, epilogue) is (meddle == "none")  # read alike, then changed
+    if meddle == "store":
+        routes = fence_boundary._walk(outer, epilogue)[1]
+        assert routes == ["Data.late <- DsparkVerifyEpilogue.commit_lens_buf"], routes
+    elif meddle == "delete":
+        assert "b" not in vars(outer)

@@ -20,6 +20,7 @@
 #include <utility>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -72,6 +73,7 @@ struct BoundaryScan {
   std::vector<const c10::TensorImpl*> impls;
   std::vector<const c10::StorageImpl*> storage_impls;
   std::vector<c10::DeleterFnPtr> deleters;
+  mutable std::vector<std::tuple<PyTypeObject*, unsigned int, bool>> plain_types;  // plain_type's, by version tag
   mutable uint64_t kinds_version = 0;  // kind_of's: KINDS's version, and the types met at it
   mutable std::vector<std::pair<PyTypeObject*, PyObject*>> kinds_met;
   std::vector<size_t> distinct_storages;  // the first tensor over each distinct StorageImpl
@@ -90,6 +92,7 @@ struct BoundaryScan {
       PyTypeObject* type;                                            // its type, its __dict__ and that
       PyObject* dict;                                                // dict's version then
       uint64_t version;
+      unsigned int plain_tag;                                        // a plain type's tag then (0: not plain)
     };
     std::vector<Vars> vars;
     std::vector<std::pair<PyObject*, PyObject*>> kept;              // a value of those dicts the map marked free or
@@ -261,10 +264,173 @@ bool holder_layout(const BoundaryScan& s, PyTypeObject* tp, PyObject*& names, bo
   return true;
 }
 
+// Reading an instance's attributes without making its __dict__.
+//
+// CPython (3.11+) keeps a plain instance's attributes inline and makes its __dict__ only when
+// something asks for it, once per object; vars(h) asks. A result built anew at each step would
+// pay that at each check, and again when it is freed. A plain instance is read here as the
+// garbage collector reads it: its type's tp_traverse visits exactly the values vars(h) would
+// hold (in another order), then the type. Plain: __dict__ the generic managed one (no
+// __slots__, no base with fields of its own, attribute lookup and the __dict__ descriptor
+// CPython's own); every other instance is read through vars(h) as before. Whether the running
+// Python does that as read here is tried once per process (plain_reads).
+#if PY_VERSION_HEX >= 0x030B0000 && !defined(Py_GIL_DISABLED)
+// The __dict__ CPython made for `h`, an instance of a managed-dict type, or nullptr where none is
+// made yet (the word before the object's header: 3.12 tags it where it points to inline values).
+PyObject* made_dict(PyObject* h) {
+  const uintptr_t word = reinterpret_cast<const uintptr_t*>(h)[-3];
+#if PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030D0000
+  if (word & 1) return nullptr;
+#endif
+  return reinterpret_cast<PyObject*>(word);
+}
+#else
+PyObject* made_dict(PyObject*) { return nullptr; }
+#endif
+
+// What tp_traverse visits of an object, up to 64 (borrowed references: nothing runs meanwhile).
+struct Visited {
+  PyObject* at[64];
+  int count = 0;
+  bool operator==(const Visited& o) const { return count == o.count && std::equal(at, at + count, o.at); }
+};
+
+int visited(PyObject* v, void* into) {
+  auto* seen = static_cast<Visited*>(into);
+  if (seen->count == 64) return -1;  // stops the traversal: read otherwise
+  seen->at[seen->count++] = v;
+  return 0;
+}
+
+bool traversed(PyObject* h, Visited& seen) {
+  seen.count = 0;
+  return Py_TYPE(h)->tp_traverse(h, visited, &seen) == 0;
+}
+
+// Calls the scan makes that may run Python (a getattr: a property, a __getattr__), counted: a
+// value read before one may no longer be held.
+uint64_t python_calls = 0;
+
+// The generic implementations a plain instance's type carries, read from a class made here.
+struct PlainReads {
+  bool works = false;        // this Python reads a plain instance as read here
+  traverseproc traverse;     // its tp_traverse
+  getattrofunc hooked;       // tp_getattro of a class with __getattr__ (tried after the generic lookup)
+  getter dict_get;           // its __dict__ descriptor's getter
+  PyObject* getattribute;    // object.__getattribute__
+};
+
+PyObject* type_entry(PyTypeObject* tp, const char* name) {  // _PyType_Lookup by a C string, borrowed
+  PyObject* key = PyUnicode_InternFromString(name);
+  PyObject* found = key ? _PyType_Lookup(tp, key) : nullptr;
+  Py_XDECREF(key);
+  return found;
+}
+
+getter dict_getter(PyTypeObject* tp) {
+  PyObject* found = type_entry(tp, "__dict__");
+  return found != nullptr && Py_TYPE(found) == &PyGetSetDescr_Type
+      ? reinterpret_cast<PyGetSetDescrObject*>(found)->d_getset->get : nullptr;
+}
+
+// Tried once: an instance of a class made here, given two attributes, is visited as those two
+// values then its class, with no __dict__ made; once vars() made one, that is the dict found.
+const PlainReads& plain_reads() {
+  static const PlainReads reads = [] {
+    PlainReads r{};
+#if PY_VERSION_HEX >= 0x030B0000 && !defined(Py_GIL_DISABLED)
+    PyObject* plain = PyObject_CallFunction((PyObject*)&PyType_Type, "s()N", "PlainProbe", PyDict_New());
+    PyObject* hooks = PyDict_New();
+    PyObject* getattr_fn = hooks ? PyRun_String("lambda self, name: None", Py_eval_input, hooks, hooks) : nullptr;
+    if (getattr_fn != nullptr) PyDict_SetItemString(hooks, "__getattr__", getattr_fn);
+    PyObject* hooked = hooks ? PyObject_CallFunction((PyObject*)&PyType_Type, "s()O", "HookedProbe", hooks) : nullptr;
+    PyObject* h = plain ? PyObject_CallNoArgs(plain) : nullptr;
+    PyObject *one = PyLong_FromLong(1001), *two = PyFloat_FromDouble(2.5);
+    if (h != nullptr && hooked != nullptr && one != nullptr && two != nullptr &&
+        (Py_TYPE(h)->tp_flags & Py_TPFLAGS_MANAGED_DICT) && PyObject_SetAttrString(h, "a", one) == 0 &&
+        PyObject_SetAttrString(h, "b", two) == 0 && made_dict(h) == nullptr) {
+      Visited seen;
+      bool found = traversed(h, seen) && seen.count == 3 && seen.at[2] == plain &&
+                   ((seen.at[0] == one && seen.at[1] == two) || (seen.at[0] == two && seen.at[1] == one));
+      PyObject* d = found ? PyObject_GetAttrString(h, "__dict__") : nullptr;
+      found = found && d != nullptr && made_dict(h) == d && PyDict_CheckExact(d) && PyDict_GET_SIZE(d) == 2;
+      Py_XDECREF(d);
+      r.traverse = Py_TYPE(h)->tp_traverse;
+      r.hooked = reinterpret_cast<PyTypeObject*>(hooked)->tp_getattro;
+      r.dict_get = dict_getter(Py_TYPE(h));
+      r.getattribute = type_entry(&PyBaseObject_Type, "__getattribute__");
+      r.works = found && r.traverse != nullptr && r.dict_get != nullptr && r.getattribute != nullptr &&
+                r.hooked != PyObject_GenericGetAttr;
+    }
+    for (PyObject* o : {plain, hooks, getattr_fn, hooked, h, one, two}) Py_XDECREF(o);
+    if (PyErr_Occurred()) PyErr_Clear();
+#endif
+    return r;
+  }();
+  return reads;
+}
+
+// Whether instances of `tp` are plain (read by made_dict and tp_traverse as vars(h) reads them),
+// kept per type while its version tag holds (a class changed later gets a new one).
+bool plain_type(const BoundaryScan& s, PyTypeObject* tp) {
+  const PlainReads& r = plain_reads();
+  if (!r.works || tp->tp_version_tag == 0 || !(tp->tp_flags & Py_TPFLAGS_MANAGED_DICT)) return false;
+  for (const auto& [type, tag, plain] : s.plain_types) {
+    if (type == tp && tag == tp->tp_version_tag) return plain;
+  }
+  bool plain = tp->tp_traverse == r.traverse && dict_getter(tp) == r.dict_get &&
+               (tp->tp_getattro == PyObject_GenericGetAttr ||
+                (tp->tp_getattro == r.hooked && type_entry(tp, "__getattribute__") == r.getattribute));
+  PyTypeObject* base = tp;
+  for (; plain && base != &PyBaseObject_Type; base = base->tp_base) {  // subtype_traverse's own walk up
+    plain = base != nullptr && base->tp_traverse == r.traverse && Py_SIZE(base) == 0;
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  const unsigned int tag = tp->tp_version_tag;  // after the lookups, which give the type one where it had none
+  if (tag == 0) return false;
+  if (s.plain_types.size() >= 64) s.plain_types.clear();
+  s.plain_types.emplace_back(tp, tag, plain);
+  return plain;
+}
+
+// vars(h)'s values, each handed to `f` (kept alive around the call; its false stops the reading),
+// in the dict's order or, for a plain instance with no __dict__ made yet, in the order its
+// type visits them (where the order does not matter); false also where h changed meanwhile.
+template <typename F>
+bool each_attribute(const BoundaryScan& s, PyObject* h, F&& f, bool any_order) {
+  PyTypeObject* tp = Py_TYPE(h);
+  // vars(h)'s values as the type visits them: all it visits but the type, last (false: not so now)
+  auto values_of = [&](Visited& seen) {
+    if (!traversed(h, seen) || Py_TYPE(h) != tp || made_dict(h) != nullptr || seen.count == 0 ||
+        seen.at[seen.count - 1] != (PyObject*)tp) return false;
+    --seen.count;
+    return true;
+  };
+  Visited seen;
+  if (any_order && plain_type(s, tp) && made_dict(h) == nullptr && values_of(seen)) {  // made_dict: a managed type's word
+    uint64_t calls = python_calls;
+    for (int i = 0; i <= seen.count; ++i) {
+      if (python_calls != calls) {  // Python ran: unsure unless h holds what was read (which keeps it alive)
+        Visited now;
+        if (!values_of(now) || !(now == seen)) return false;
+        calls = python_calls;
+      }
+      if (i < seen.count && !handed(seen.at[i], f)) return false;
+    }
+    return true;
+  }
+  ++python_calls;
+  PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
+  if (d == nullptr) return false;
+  const bool done = PyDict_CheckExact(d) && each_stored(d, f);
+  Py_DECREF(d);
+  return done;
+}
+
 // holders.items(h)'s values, in its order, each handed to `f` (its false stops the reading); false
 // also where h is not read here exactly as holders.items reads it.
 template <typename F>
-bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
+bool each_value(const BoundaryScan& s, PyObject* h, F&& f, bool any_order = false) {
   PyTypeObject* tp = Py_TYPE(h);
   PyObject* kind = kind_of(s, tp);
   if (kind == nullptr) return false;
@@ -282,6 +448,7 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
     if (!each_in_slots(h, *offsets, f)) return false;
   } else {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); ++i) {  // getattr(h, name, _UNSET)
+      ++python_calls;
       PyObject* v = PyObject_GetAttr(h, PyTuple_GET_ITEM(names, i));
       if (v == nullptr) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return false;
@@ -294,11 +461,7 @@ bool each_value(const BoundaryScan& s, PyObject* h, F&& f) {
     }
   }
   if (PyTuple_GET_SIZE(names) != 0 && !has_dict) return true;
-  PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
-  if (d == nullptr) return false;
-  const bool done = PyDict_CheckExact(d) && each_stored(d, f);
-  Py_DECREF(d);
-  return done;
+  return each_attribute(s, h, f, any_order);
 }
 
 // The slot offsets each_value reads `h` by where that is all it reads (a holder whose layout has
@@ -329,8 +492,8 @@ struct Walk {
   PyObject* epilogue;
   long left;
   bool value(PyObject* v, int level);
-  bool holder(PyObject* h, int level) {
-    return each_value(s, h, [&](PyObject* v) { return value(v, level); });
+  bool holder(PyObject* h, int level) {  // the order values are judged in does not change the answer
+    return each_value(s, h, [&](PyObject* v) { return value(v, level); }, true);
   }
 };
 
@@ -472,7 +635,8 @@ void compile_state(const BoundaryScan& s, PyObject* epilogue) {
       if (!PyList_Check(h) && !PyTuple_Check(h) && versions_kept() && read_by_vars(s, Py_TYPE(h))) {
         PyObject* d = PyObject_GetAttr(h, s.dict_name);
         if (d != nullptr && PyDict_CheckExact(d)) {
-          c.vars.push_back({n.holder, Py_TYPE(h), d, version_of(d)});
+          const bool plain = plain_type(s, Py_TYPE(h)) && made_dict(h) == d;
+          c.vars.push_back({n.holder, Py_TYPE(h), d, version_of(d), plain ? Py_TYPE(h)->tp_version_tag : 0});
           keep_marked(c, s, n, d);
           Py_DECREF(d);
           continue;
@@ -516,6 +680,10 @@ bool compiled_holds(const BoundaryScan& s, PyObject* epilogue) {
   for (const auto& v : c.vars) {  // getattr(h, "__dict__") as each_value calls it: the same dict, unchanged
     PyObject* h = v.holder ? v.holder : epilogue;
     if (Py_TYPE(h) != v.type) return false;
+    if (v.plain_tag != 0 && v.plain_tag == v.type->tp_version_tag) {  // the made dict that getattr returns, in place
+      if (made_dict(h) != v.dict || version_of(v.dict) != v.version) return false;
+      continue;
+    }
     PyObject* d = PyObject_GetAttr(h, s.dict_name);
     const bool held = d == v.dict && version_of(d) == v.version;
     Py_XDECREF(d);
