@@ -38,6 +38,11 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
   fence_boundary_step  fence + boundary check against the served-looking epilogue, the worker
                    returning a new result at each step; over step_floor, not the unfenced call (the
                    rows above hand one result back, whose holders' __dict__s a first read made)
+  fence_boundary_graph  the same with the result's logits as 0.5.23's default decode graph backend
+                   returns them: a slice of the graph's output, which static_io[bs].logits holds
+                   since capture. They share the epilogue's memory, so the check copies them at
+                   each step (the Python walk), though nothing reads them after the worker returns
+                   (docs/performance.md); over step_floor
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
 ring_replay (a captured copy into preallocated slots: a slot a stalled reader could
@@ -158,6 +163,10 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
     same, new = (lambda self, batch: result), (lambda self, batch: rebuilt(result))
     worker, after_capture = worker_of(epilogue, same), worker_of(full, same)
     served, bare = worker_of(full, new), worker_of(full, new, checked=False)
+    # The result as 0.5.23's default (FULL) decode graph backend returns it: its logits a slice of
+    # the graph's output, which static_io[bs].logits holds since capture (the check copies them)
+    graph_logits = full.static_io[bs].logits
+    from_graph = worker_of(full, lambda self, batch: rebuilt(result, logits=graph_logits[: bs * STRIDE]))
 
     def with_boundary(worker=worker):
         outs = executor.accept_and_finalize(**kw)
@@ -186,11 +195,13 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         "fence_boundary_captured": (fenced(True), lambda: with_boundary(after_capture)),
         "step_floor": (unpatched, lambda: with_boundary(bare)),
         "fence_boundary_step": (fenced(True), lambda: with_boundary(served)),
+        "fence_boundary_graph": (fenced(True), lambda: with_boundary(from_graph)),
     }
     if ext is not None:
         table = {"empty_launch": (unpatched, ext.empty_launch), **table}
     else:
-        for name in ("fence", "fence_general", "fence_boundary", "fence_boundary_captured", "fence_boundary_step"):
+        for name in ("fence", "fence_general", "fence_boundary", "fence_boundary_captured", "fence_boundary_step",
+                     "fence_boundary_graph"):
             table.pop(name)
     # Every fenced variant returns detached copies of the right values (checked untimed),
     # and the fence is the cheap form where the engine allows it.
@@ -209,6 +220,8 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
     assert after_capture.forward_batch_generation(None) is result and fence_boundary.detach_escapes(result, full)[1] == []
     fresh = served.forward_batch_generation(None)
     assert fresh is not result and fresh.accept_lens is result.accept_lens, "a new result over the same tensors, unchanged"
+    copied = from_graph.forward_batch_generation(None).logits_output.next_token_logits
+    assert copied.untyped_storage().data_ptr() != graph_logits.untyped_storage().data_ptr(), "the graph's logits left uncopied"
     print(f"bs={bs}: the boundary check is {fence_boundary.check_mode()}", flush=True)
     unpatched()
     return table
@@ -254,7 +267,7 @@ def launches(call) -> dict:
 
 # A row over a floor of its own (else over the unfenced call): the whole fenced step with a new
 # result each step, over the unpatched call and the same worker unwrapped.
-FLOORS = {"fence_boundary_step": "step_floor"}
+FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "step_floor"}
 
 
 def over_unfenced(row: dict, yard: str) -> dict:

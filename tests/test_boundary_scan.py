@@ -740,3 +740,20 @@ def test_a_plain_instance_changed_while_it_is_read_is_unsure(epilogue, meddle):
         assert routes == ["Data.late <- DsparkVerifyEpilogue.commit_lens_buf"], routes
     elif meddle == "delete":
         assert "b" not in vars(outer)
+
+
+def test_the_c_form_follows_each_epilogue_it_is_handed(epilogue):
+    """The C check keeps the last epilogue's scan while the map is unchanged: handed another
+    epilogue, or the same one mapped again, it answers for that one."""
+    other = dspark(MAX_BS)[1]
+    through_worker(Data(torch.zeros(1)), epilogue)  # maps it and binds the C check
+    assert fence_boundary._native_check is not None
+    for step in range(3):
+        for mine, theirs in ((epilogue, other), (other, epilogue)):
+            clean = Data(torch.zeros(1))
+            assert through_worker(clean, mine) is clean
+            foreign = Data(theirs.commit_lens_buf[:2])  # the other epilogue's memory: not this one's
+            assert through_worker(foreign, mine).a is foreign.a
+            handed = through_worker(Data(mine.commit_lens_buf[:2]), mine)
+            assert shares(handed, mine) == [], (step, mine is epilogue)
+        epilogue.commit_lens_buf = torch.zeros_like(epilogue.commit_lens_buf)  # mapped again at its next check

@@ -774,6 +774,12 @@ struct BoundaryCheck {
   PyObject* storages;  // fence_boundary._storages (owned references, all three)
   PyObject* checked;
   PyObject* name;
+  // The last epilogue's bound scan, used while the map is the dict it was then (its version: any
+  // entry added, replaced or dropped gives it a new one, and a dead epilogue's entry is dropped),
+  // which keeps that scan alive: no id made and looked up at each step, and nothing kept here.
+  PyObject* last_epilogue = nullptr;
+  PyObject* last_scan = nullptr;
+  uint64_t map_version = 0;
   ~BoundaryCheck() {
     for (PyObject* o : {storages, checked, name}) Py_XDECREF(o);
   }
@@ -782,7 +788,11 @@ struct BoundaryCheck {
 const char kCheckCapsule[] = "dsv41.boundary_check";
 
 // The epilogue's bound scan from the map (a new reference), or nullptr where it holds none.
-PyObject* bound_scan(const BoundaryCheck& c, PyObject* epilogue) {
+PyObject* bound_scan(BoundaryCheck& c, PyObject* epilogue) {
+  const uint64_t version = versions_kept() ? version_of(c.storages) : 0;
+  if (c.last_scan != nullptr && epilogue == c.last_epilogue && version != 0 && version == c.map_version) {
+    return Py_NewRef(c.last_scan);
+  }
   PyObject* key = PyLong_FromVoidPtr(epilogue);  // id(epilogue)
   if (key == nullptr) return nullptr;
   PyObject* cached = PyDict_GetItemWithError(c.storages, key);
@@ -790,8 +800,10 @@ PyObject* bound_scan(const BoundaryCheck& c, PyObject* epilogue) {
   if (cached == nullptr || !PyTuple_CheckExact(cached) || PyTuple_GET_SIZE(cached) != 7) return nullptr;
   PyObject* scan = PyTuple_GET_ITEM(cached, 4);
   if (!PyCFunction_Check(scan) || PyCFunction_GET_FUNCTION(scan) != (PyCFunction)(void (*)(void))scan_call) return nullptr;
-  Py_INCREF(scan);  // the walk may run Python (a property) that drops it from the map
-  return scan;
+  c.last_scan = scan;
+  c.last_epilogue = epilogue;
+  c.map_version = version;
+  return Py_NewRef(scan);  // the walk may run Python (a property) that drops it from the map
 }
 
 PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
