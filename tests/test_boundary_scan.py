@@ -757,3 +757,20 @@ def test_the_c_form_follows_each_epilogue_it_is_handed(epilogue):
             handed = through_worker(Data(mine.commit_lens_buf[:2]), mine)
             assert shares(handed, mine) == [], (step, mine is epilogue)
         epilogue.commit_lens_buf = torch.zeros_like(epilogue.commit_lens_buf)  # mapped again at its next check
+
+
+def test_logits_the_graph_returns_are_copied_as_static_io_holds_them(epilogue):
+    """0.5.23's decode graph returns its logits as a slice of the output that static_io[bs].logits
+    holds since capture: the check copies them at each step and names the route once (a cost that
+    buys nothing on 0.5.23's serving path: docs/performance.md, "The served step")."""
+    from bench.fence_host_cost import captured, rebuilt
+
+    captured(epilogue)
+    result = decode_result(8)
+    graph_logits = epilogue.static_io[8].logits
+    served = rebuilt(result, logits=graph_logits[:8 * 4])
+    assert fence_boundary._cache(epilogue)[4](served, epilogue) is False
+    handed = through_worker(served, epilogue).logits_output.next_token_logits
+    assert torch.equal(handed, graph_logits[:32])
+    assert handed.untyped_storage().data_ptr() != graph_logits.untyped_storage().data_ptr()
+    assert through_worker(rebuilt(result), epilogue).logits_output.next_token_logits is result.logits_output.next_token_logits

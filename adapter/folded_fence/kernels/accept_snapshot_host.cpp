@@ -374,7 +374,7 @@ const PlainReads& plain_reads() {
 // kept per type while its version tag holds (a class changed later gets a new one).
 bool plain_type(const BoundaryScan& s, PyTypeObject* tp) {
   const PlainReads& r = plain_reads();
-  if (!r.works || tp->tp_version_tag == 0 || !(tp->tp_flags & Py_TPFLAGS_MANAGED_DICT)) return false;
+  if (!r.works || !(tp->tp_flags & Py_TPFLAGS_MANAGED_DICT)) return false;
   for (const auto& [type, tag, plain] : s.plain_types) {
     if (type == tp && tag == tp->tp_version_tag) return plain;
   }
