@@ -265,7 +265,7 @@ def launches(call) -> dict:
     return {"launch_calls": len(api), "device_kernels": len(kernels)}
 
 
-# A row over a floor of its own (else over the unfenced call): the whole fenced step with a new
+# A row over a floor of its own (else over the unfenced call): the whole fenced steps with a new
 # result each step, over the unpatched call and the same worker unwrapped.
 FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "step_floor"}
 
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     names = list(results[args.bs[0]])
     print(f"\nfence cost: host us per call, median of {args.reps} x {args.calls} calls "
           f"({torch.cuda.get_device_name()}, torch {torch.__version__}); "
-          f"'+' = over unfenced (fence_boundary_step: over step_floor) and 'L' = that in units of {yard}, both within each "
+          f"'+' = over unfenced ({', '.join(f'{n}: over {f}' for n, f in FLOORS.items())}) and 'L' = that in units of {yard}, both within each "
           "repetition (the median)")
     header = f"{'variant':<24}" + "".join(f"{'bs=' + str(bs):>26}" for bs in args.bs) + f"{'launches':>10}"
     print(header)

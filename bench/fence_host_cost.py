@@ -116,10 +116,10 @@ def rebuilt(result, logits=None):
     from sglang.srt.managers.utils import GenerationBatchResult
     from sglang.srt.speculative.draft_worker_common import make_draft_input_v2
 
-    logits_view, logits, draft = logits, result.logits_output, result.next_draft_input
+    output, draft = result.logits_output, result.next_draft_input
     return GenerationBatchResult(
-        logits_output=LogitsProcessorOutput(next_token_logits=logits.next_token_logits if logits_view is None else logits_view,
-                                            hidden_states=logits.hidden_states),
+        logits_output=LogitsProcessorOutput(next_token_logits=output.next_token_logits if logits is None else logits,
+                                            hidden_states=output.hidden_states),
         next_token_ids=result.next_token_ids, accept_lens=result.accept_lens, block_accept_lens=result.block_accept_lens,
         cap_lens=None, can_run_cuda_graph=True, speculative_num_draft_tokens=STRIDE, new_seq_lens=result.new_seq_lens,
         next_draft_input=make_draft_input_v2(bonus_tokens=draft.bonus_tokens, new_seq_lens=draft.new_seq_lens),

@@ -135,13 +135,19 @@ uint64_t version_of(PyObject* d) {
 #endif
 }
 
+// A class made here for a probe: type(name, (), attributes), a new reference (nullptr where it failed).
+PyObject* probe_class(const char* name, PyObject* attributes) {
+  return attributes ? PyObject_CallFunction((PyObject*)&PyType_Type, "s()O", name, attributes) : nullptr;
+}
+
 // Whether this Python gives a dict a new version at every change the compiled test relies on, tried
 // once: an item of a dict set, replaced and deleted, and an attribute of an instance whose __dict__
 // was read stored, replaced and deleted through the instance (a path of its own in some releases).
 bool versions_kept() {
   static const bool kept = [] {
     bool changed = true;
-    PyObject* probe = PyObject_CallFunction((PyObject*)&PyType_Type, "s()N", "VersionProbe", PyDict_New());
+    PyObject* attributes = PyDict_New();
+    PyObject* probe = probe_class("VersionProbe", attributes);
     PyObject* instance = probe ? PyObject_CallNoArgs(probe) : nullptr;
     PyObject* d = instance ? PyObject_GetAttrString(instance, "__dict__") : nullptr;
     PyObject* plain = PyDict_New();
@@ -159,7 +165,7 @@ bool versions_kept() {
       step(d, [&] { return PyObject_SetAttrString(instance, "a", two); });
       step(d, [&] { return PyObject_DelAttrString(instance, "a"); });
     }
-    for (PyObject* o : {probe, instance, d, plain, one, two}) Py_XDECREF(o);
+    for (PyObject* o : {attributes, probe, instance, d, plain, one, two}) Py_XDECREF(o);
     if (PyErr_Occurred()) PyErr_Clear();
     return changed;
   }();
@@ -339,11 +345,12 @@ const PlainReads& plain_reads() {
   static const PlainReads reads = [] {
     PlainReads r{};
 #if PY_VERSION_HEX >= 0x030B0000 && !defined(Py_GIL_DISABLED)
-    PyObject* plain = PyObject_CallFunction((PyObject*)&PyType_Type, "s()N", "PlainProbe", PyDict_New());
+    PyObject* attributes = PyDict_New();
+    PyObject* plain = probe_class("PlainProbe", attributes);
     PyObject* hooks = PyDict_New();
     PyObject* getattr_fn = hooks ? PyRun_String("lambda self, name: None", Py_eval_input, hooks, hooks) : nullptr;
     if (getattr_fn != nullptr) PyDict_SetItemString(hooks, "__getattr__", getattr_fn);
-    PyObject* hooked = hooks ? PyObject_CallFunction((PyObject*)&PyType_Type, "s()O", "HookedProbe", hooks) : nullptr;
+    PyObject* hooked = getattr_fn ? probe_class("HookedProbe", hooks) : nullptr;
     PyObject* h = plain ? PyObject_CallNoArgs(plain) : nullptr;
     PyObject *one = PyLong_FromLong(1001), *two = PyFloat_FromDouble(2.5);
     if (h != nullptr && hooked != nullptr && one != nullptr && two != nullptr &&
@@ -362,7 +369,7 @@ const PlainReads& plain_reads() {
       r.works = found && r.traverse != nullptr && r.dict_get != nullptr && r.getattribute != nullptr &&
                 r.hooked != PyObject_GenericGetAttr;
     }
-    for (PyObject* o : {plain, hooks, getattr_fn, hooked, h, one, two}) Py_XDECREF(o);
+    for (PyObject* o : {attributes, plain, hooks, getattr_fn, hooked, h, one, two}) Py_XDECREF(o);
     if (PyErr_Occurred()) PyErr_Clear();
 #endif
     return r;
@@ -409,15 +416,16 @@ bool each_attribute(const BoundaryScan& s, PyObject* h, F&& f, bool any_order) {
   Visited seen;
   if (any_order && plain_type(s, tp) && made_dict(h) == nullptr && values_of(seen)) {  // made_dict: a managed type's word
     uint64_t calls = python_calls;
-    for (int i = 0; i <= seen.count; ++i) {
-      if (python_calls != calls) {  // Python ran: unsure unless h holds what was read (which keeps it alive)
-        Visited now;
-        if (!values_of(now) || !(now == seen)) return false;
-        calls = python_calls;
-      }
-      if (i < seen.count && !handed(seen.at[i], f)) return false;
+    auto holds_what_was_read = [&] {  // where Python ran since: h still holds it (which keeps it alive)
+      if (python_calls == calls) return true;
+      calls = python_calls;
+      Visited now;
+      return values_of(now) && now == seen;
+    };
+    for (int i = 0; i < seen.count; ++i) {
+      if (!holds_what_was_read() || !handed(seen.at[i], f)) return false;
     }
-    return true;
+    return holds_what_was_read();
   }
   ++python_calls;
   PyObject* d = PyObject_GetAttr(h, s.dict_name);  // vars(h)
