@@ -8,7 +8,9 @@ with only the commit context's draft model, and both (as a served epilogue looks
 Also the scan of a clean decode result (that test and the walk), the worker's call through
 check_results (that and wrapt's), and what the check adds to a worker that returns a new result
 at each step as the engine's does (the same call unchecked beside it): reading a new holder's
-__dict__ makes that dict, which a result returned again has already.
+__dict__ makes that dict, which a result returned again has already. Against an epilogue as
+served, also what it adds where the result's logits are the graph's, as 0.5.23's decode graph
+returns them (a slice of the output static_io[bs].logits holds): copied at each step.
 
 Microseconds per call, the median of 5 x --calls (20000); the kernel file is a built
 dsv41_accept_snapshot.so (its native scan runs on the CPU too). With --before, a kernel
@@ -26,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary  # noqa: E402
-from bench.fence_host_cost import captured, decode_result, dspark, rebuilt, worker_of  # noqa: E402
+from bench.fence_host_cost import STRIDE, captured, decode_result, dspark, rebuilt, worker_of  # noqa: E402
 
 
 CALLS = 20000
@@ -83,8 +85,17 @@ def measure(library) -> dict:
         step = lambda self, batch: rebuilt(result)  # noqa: E731
         fresh, bare = worker_of(epilogue, step), worker_of(epilogue, step, checked=False)
         checked_us, bare_us = paired(lambda: fresh.forward_batch_generation(None), lambda: bare.forward_batch_generation(None))
+        graph_us = float("nan")
+        if label == "both":  # the logits as the graph returns them: the check copies them at each step
+            logits = epilogue.static_io[8].logits[: 8 * STRIDE]
+            graph = lambda self, batch: rebuilt(result, logits=logits)  # noqa: E731
+            copied, bare_graph = worker_of(epilogue, graph), worker_of(epilogue, graph, checked=False)
+            assert copied.forward_batch_generation(None).logits_output.next_token_logits is not logits
+            graph_checked, graph_bare = paired(lambda: copied.forward_batch_generation(None),
+                                               lambda: bare_graph.forward_batch_generation(None))
+            graph_us = graph_checked - graph_bare
         found[label] = (us(lambda: scan(None, epilogue)), us(lambda: scan(result, epilogue)),
-                        us(lambda: worker.forward_batch_generation(None)), checked_us - bare_us,
+                        us(lambda: worker.forward_batch_generation(None)), checked_us - bare_us, graph_us,
                         sum(len(node[1]) for node in cached[1]), len(cached[2][0]))
     return found
 
@@ -114,11 +125,13 @@ def main() -> int:
             print(f"{name}: {figures[name][-1]}", flush=True)  # as it comes, for a run cut short
     print("us per call, the median of 3 processes each: scan(None) (the map still holds), scan(result) (that and the"
           " walk of a clean decode result), the worker's call through check_results (that and wrapt's), and what the"
-          " check adds to a worker that returns a new result at each step (built alike, its holders' __dict__s unread)")
+          " check adds to a worker that returns a new result at each step (built alike, its holders' __dict__s unread),"
+          " and the same with the graph's logits in it (as served: copied at each step)")
     for label in LABELS:
-        values, tensors = figures["this"][0][label][4:]
+        values, tensors = figures["this"][0][label][5:]
         print(f"{label} ({values} values, {tensors} tensors mapped):")
-        for at, what in enumerate(("scan(None)", "scan(result)", "worker call", "check, new result")):
+        for at, what in enumerate(("scan(None)", "scan(result)", "worker call", "check, new result",
+                                   "check, graph logits")[: 5 if label == "both" else 4]):
             said = "; ".join(f"{name} {sorted(run[label][at] for run in runs_of)[1]:.2f}" for name, runs_of in figures.items())
             print(f"  {what:<18} {said}", flush=True)
     return 0

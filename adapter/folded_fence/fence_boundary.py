@@ -74,6 +74,7 @@ def reset() -> None:
     """Forget the routes already reported and the epilogues' storage maps (tests)."""
     _said.clear()
     _storages.clear()
+    _plans.clear()
 
 
 def use_native(library=_PROBE) -> None:
@@ -114,11 +115,19 @@ def check_results(wrapped, instance, args, kwargs):
     return _checked(result, epilogue)
 
 
-def _checked(result, epilogue):
+def _checked(result, epilogue, found=None):
+    """check_results' rest: `found` is what the native scan answered, where it ran (False: unsure;
+    a list: the tensors that share the epilogue's storages, all the walk would find)."""
     try:
-        scan = (_storages.get(id(epilogue)) or _cache(epilogue))[4]  # detach_escapes' first look, inline
-        if scan is not None and scan(result, epilogue):
+        if found is None:
+            scan = (_storages.get(id(epilogue)) or _cache(epilogue))[4]  # detach_escapes' first look, inline
+            found = False if scan is None else scan(result, epilogue)
+        if found is True:
             return result
+        if found:
+            copied = _copied(result, found, epilogue)
+            if copied is not None:
+                return copied
         return _walk(result, epilogue)[0]
     except Exception as exc:  # noqa: BLE001 - never break a step; said once
         say_once(("failed", type(result)), f"boundary: could not check a {type(result).__name__} leaving the worker "
@@ -138,7 +147,7 @@ def _cache(epilogue) -> tuple:
     if cached is None or (cached[4] is None and _native is _PROBE and torch.cuda.is_initialized()):  # built before CUDA was up
         return _map(epilogue, cached)
     # the scan of nothing answers whether the map still holds, in C; where it is unsure, _fresh decides
-    if (cached[4] is not None and cached[4](None, epilogue)) or _fresh(cached, epilogue):
+    if (cached[4] is not None and cached[4](None, epilogue) is True) or _fresh(cached, epilogue):
         return cached
     return _map(epilogue, cached)
 
@@ -332,9 +341,89 @@ def detach_escapes(result, epilogue) -> tuple[object, list[str]]:
     unless it had to be rebuilt (a tuple, a frozen struct). The native scan first, where
     it serves: clean means the Python walk would find and say nothing."""
     scan = (_storages.get(id(epilogue)) or _cache(epilogue))[4]
-    if scan is not None and scan(result, epilogue):
+    if scan is not None and scan(result, epilogue) is True:
         return result, []
     return _walk(result, epilogue)
+
+
+def _copied(result, found: list, epilogue):
+    """`result` with the native scan's finds copied in place, each route counted and said as
+    _walk says it (the scan finds them where the walk would, and nothing else); None where
+    one cannot be (a tuple holds one, a holder refuses it, anything raised): the walk then serves."""
+    try:
+        planned = [(holder, where, {key: tensor.clone() for key, tensor in kept}, routes)
+                   for holder, where, kept, routes in shared_routes(found, epilogue)]
+    except Exception:  # noqa: BLE001 - the walk finds them again, and says what it cannot do
+        return None
+    for holder, where, changes, routes in planned:
+        if _put(holder, changes, where) is not None:  # refused in place and rebuilt: the walk puts that up
+            return None
+        for route in routes:
+            _said_copy(route)
+    return result
+
+
+def shared_routes(found: list, epilogue) -> list:
+    """What the native scan found, by holder: (the holder, the route to it, [(key, tensor)] for
+    each place it keeps a tensor over the epilogue's storages, the routes as _walk names them);
+    raises where a tuple holds one (it cannot take a copy in place) or a holder reads otherwise."""
+    storages = _storages[id(epilogue)][3]  # the map the scan just found holding
+    by_holder = {}  # id(holder) -> (the path to it, id(tensor) -> its storage's address, how many found there)
+    for path, tensor, address in found:
+        if isinstance(path[-1], tuple):
+            raise TypeError("a tuple holds it")
+        entry = by_holder.setdefault(id(path[-1]), (path, {}, []))
+        entry[1][id(tensor)] = address
+        entry[2].append(address)
+    return [(path[-1], *_kept(path, addresses, len(places), storages)) for path, addresses, places in by_holder.values()]
+
+
+_plans = {}  # the types down a path the scan found -> (the keys down it, the route, the keys found, their addresses, routes)
+
+
+def _kept(path: tuple, addresses: dict, count: int, storages: dict) -> tuple:
+    """(the route to path's last holder, [(key, tensor)] for the `count` places it keeps the tensors
+    of `addresses` (id -> storage address) in, their routes). Found by reading each holder as the
+    walk does, and kept by the types down the path: the next step's new objects are then read at
+    those keys only, and found again where any differs."""
+    types = tuple(map(type, path))
+    known = _plans.get(types)
+    if known is not None and len(known[2]) == count:
+        try:
+            same = all(_at(outer, key) is inner for outer, key, inner in zip(path, known[0], path[1:]))
+            kept = [(key, _at(path[-1], key)) for key in known[2]] if same else ()
+            if same and all(id(held) in addresses for _, held in kept):
+                if known[3] == [addresses[id(held)] for _, held in kept]:
+                    return known[1], kept, known[4]
+                return known[1], kept, _routes(known[1], path[-1], kept, addresses, storages)
+        except Exception:  # noqa: BLE001 - read otherwise now: found again below
+            pass
+    keys = [next(key for key, held in holders.items(outer) if held is inner) for outer, inner in zip(path, path[1:])]
+    where = type(path[0]).__name__
+    for outer, key in zip(path, keys):
+        where = _route(where, outer, key)
+    kept = [(key, held) for key, held in holders.items(path[-1]) if id(held) in addresses]
+    if len(kept) != count:
+        raise LookupError(f"{where} holds {len(kept)} of the {count} tensors the scan found there")
+    routes = _routes(where, path[-1], kept, addresses, storages)
+    if len(_plans) < 64:
+        _plans[types] = (keys, where, [key for key, _ in kept], [addresses[id(held)] for _, held in kept], routes)
+    return where, kept, routes
+
+
+def _routes(where: str, holder, kept: list, addresses: dict, storages: dict) -> list:
+    return [f"{_route(where, holder, key)} <- {storages[addresses[id(held)]]}" for key, held in kept]
+
+
+def _at(holder, key):
+    """What `holder` keeps at `key` (as holders.items gives it: an index, a dict's key, a name)."""
+    if isinstance(holder, list):  # the scan reads a list or tuple by the base type's own iterator
+        return list.__getitem__(holder, key)
+    if isinstance(holder, tuple):
+        return tuple.__getitem__(holder, key)
+    if type(holder) is dict:  # the scan reads no other mapping
+        return holder[key]
+    return getattr(holder, key)
 
 
 def _walk(result, epilogue) -> tuple[object, list[str]]:
@@ -388,10 +477,14 @@ def _walk(result, epilogue) -> tuple[object, list[str]]:
         elif fresh is not None:
             result = fresh
     for route in routes:
-        metrics.count_boundary_copy(route)  # every copy, every step: /metrics keeps what log rotation drops
-        say_once(route, f"boundary: {route} shared the verify graph's buffers; copied where it leaves the worker "
-                        "(a route the fence's checks missed: please report it)")
+        _said_copy(route)
     return result, routes
+
+
+def _said_copy(route: str) -> None:
+    metrics.count_boundary_copy(route)  # every copy, every step: /metrics keeps what log rotation drops
+    say_once(route, f"boundary: {route} shared the verify graph's buffers; copied where it leaves the worker "
+                    "(a route the fence's checks missed: please report it)")
 
 
 def _where(queue: list, at: int) -> str:

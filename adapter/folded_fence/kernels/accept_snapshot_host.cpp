@@ -499,11 +499,33 @@ struct Walk {
   const BoundaryScan& s;
   PyObject* epilogue;
   long left;
+  // Each tensor over the map's storages as the walk finds it (the Python walk copies it and
+  // names its route): (the holders from the result down to the one keeping it, the tensor, its
+  // storage's address), in a list made at the first.
+  PyObject* shared = nullptr;
+  PyObject* path[16];  // the holders being read, the result first (alive: each is handed)
+  int depth = 0;
   bool value(PyObject* v, int level);
   bool holder(PyObject* h, int level) {  // the order values are judged in does not change the answer
-    return each_value(s, h, [&](PyObject* v) { return value(v, level); }, true);
+    if (depth == 16) return false;
+    path[depth++] = h;
+    const bool read = each_value(s, h, [&](PyObject* v) { return value(v, level); }, true);
+    --depth;
+    return read;
   }
+  bool found_shared(PyObject* tensor, uintptr_t address);
 };
+
+bool Walk::found_shared(PyObject* tensor, uintptr_t address) {
+  if (shared == nullptr && (shared = PyList_New(0)) == nullptr) return false;
+  PyObject* holders = PyTuple_New(depth);
+  if (holders == nullptr) return false;
+  for (int i = 0; i < depth; ++i) PyTuple_SET_ITEM(holders, i, Py_NewRef(path[i]));
+  PyObject* found = Py_BuildValue("(NOK)", holders, tensor, static_cast<unsigned long long>(address));
+  const bool kept = found != nullptr && PyList_Append(shared, found) == 0;
+  Py_XDECREF(found);
+  return kept;
+}
 
 // One value a holder at `level` holds: true where the Python walk skips it or finds it clean.
 bool Walk::value(PyObject* v, int level) {
@@ -518,8 +540,8 @@ bool Walk::value(PyObject* v, int level) {
     PyObject* tp = (PyObject*)Py_TYPE(v);
     if (tp != s.plain_tensor && tp != s.parameter) return false;  // a subclass may answer otherwise
     uintptr_t address;
-    return address_of(THPVariable_Unpack(v), address) &&
-           std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end();
+    if (!address_of(THPVariable_Unpack(v), address)) return false;
+    return std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end() || found_shared(v, address);
   }
   if (level >= s.max_depth) return false;  // too deep: the walk reports it
   return holder(v, level + 1);
@@ -739,17 +761,22 @@ bool same_state(const BoundaryScan& s, PyObject* epilogue) {
 
 const char kScanCapsule[] = "dsv41.boundary_scan";
 
-// True only where the Python walk would find no route and say nothing; never raises.
-bool scan_clean(const BoundaryScan& s, PyObject* result, PyObject* epilogue) {
-  bool clean = false;
+// What the Python walk would find in `result` (a new reference, never raised): True, no route and
+// nothing said; a list of (the holders from the result down to the one keeping it, the tensor,
+// its storage's address) for each tensor over the epilogue's storages where that is all it would
+// find (it copies them and names their routes); False (unsure) for anything else.
+PyObject* scan_result(const BoundaryScan& s, PyObject* result, PyObject* epilogue) {
+  Walk walk{s, epilogue, s.max_values};
+  bool read = false;
   try {
-    Walk walk{s, epilogue, s.max_values};
-    clean = same_state(s, epilogue) && walk.holder(result, 1);
+    read = same_state(s, epilogue) && walk.holder(result, 1);
   } catch (...) {
-    clean = false;
+    read = false;
   }
   if (PyErr_Occurred()) PyErr_Clear();  // whatever failed: unsure, never raised
-  return clean;
+  if (read && walk.shared != nullptr) return walk.shared;
+  Py_XDECREF(walk.shared);
+  return Py_NewRef(read ? Py_True : Py_False);
 }
 
 PyObject* scan_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -759,13 +786,13 @@ PyObject* scan_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   }
   auto* s = static_cast<BoundaryScan*>(PyCapsule_GetPointer(self, kScanCapsule));
   if (s == nullptr) return nullptr;
-  if (scan_clean(*s, args[0], args[1])) Py_RETURN_TRUE;
-  Py_RETURN_FALSE;
+  return scan_result(*s, args[0], args[1]);
 }
 
 PyMethodDef kScanMethod = {"boundary_scan", (PyCFunction)(void (*)(void))scan_call, METH_FASTCALL,
-                           "scan(result, epilogue) -> True: nothing in result shares the epilogue's storages (exact), "
-                           "False: unsure, run the Python walk"};
+                           "scan(result, epilogue) -> True: nothing in result shares the epilogue's storages (exact); "
+                           "[(holders from result down, tensor), ...]: those share them and are all the walk would "
+                           "find; False: unsure, run the Python walk"};
 
 // A capsule's destructor: deletes the state it owns (its name is the one it was made with).
 template <typename State>
@@ -777,7 +804,8 @@ void drop(PyObject* capsule) {
 // check(wrapped, instance, args, kwargs). It calls through, reads the instance's epilogue as
 // getattr(instance, name, None) does, and returns the result where there is nothing to check
 // or the epilogue's bound scan (in fence_boundary's map, storages[id(epilogue)][4]) says
-// clean; anything else goes to `checked(result, epilogue)`, the Python form's rest.
+// clean; anything else goes to `checked(result, epilogue, found)`, the Python form's rest, with what
+// the scan found (False: unsure, or the tensors that share the epilogue's storages).
 struct BoundaryCheck {
   PyObject* storages;  // fence_boundary._storages (owned references, all three)
   PyObject* checked;
@@ -838,17 +866,20 @@ PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* scan = bound_scan(*c, epilogue);
   if (PyErr_Occurred()) PyErr_Clear();
-  bool clean = false;
+  PyObject* found = Py_NewRef(Py_False);
   if (scan != nullptr) {
-    clean = scan_clean(*static_cast<BoundaryScan*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(scan), kScanCapsule)),
-                       result, epilogue);
+    Py_DECREF(found);
+    found = scan_result(*static_cast<BoundaryScan*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(scan), kScanCapsule)),
+                        result, epilogue);
     Py_DECREF(scan);
   }
-  if (clean) {
+  if (found == Py_True) {
+    Py_DECREF(found);
     Py_DECREF(epilogue);
     return result;
   }
-  PyObject* out = PyObject_CallFunctionObjArgs(c->checked, result, epilogue, nullptr);
+  PyObject* out = PyObject_CallFunctionObjArgs(c->checked, result, epilogue, found, nullptr);
+  Py_DECREF(found);
   Py_DECREF(result);
   Py_DECREF(epilogue);
   return out;
