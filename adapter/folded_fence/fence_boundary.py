@@ -368,6 +368,11 @@ def shared_routes(found: list, epilogue) -> list:
     each place it keeps a tensor over the epilogue's storages, the routes as _walk names them);
     raises where a tuple holds one (it cannot take a copy in place) or a holder reads otherwise."""
     storages = _storages[id(epilogue)][3]  # the map the scan just found holding
+    if len(found) == 1:  # a served step's one: its logits
+        path, tensor, address = found[0]
+        if isinstance(path[-1], tuple):
+            raise TypeError("a tuple holds it")
+        return [(path[-1], *_kept(path, {id(tensor): address}, 1, storages))]
     by_holder = {}  # id(holder) -> (the path to it, id(tensor) -> its storage's address, how many found there)
     for path, tensor, address in found:
         if isinstance(path[-1], tuple):
@@ -390,7 +395,9 @@ def _kept(path: tuple, addresses: dict, count: int, storages: dict) -> tuple:
     known = _plans.get(types)
     if known is not None and len(known[2]) == count:
         try:
-            same = all(_at(outer, key) is inner for outer, key, inner in zip(path, known[0], path[1:]))
+            same = True
+            for outer, key, inner in zip(path, known[0], path[1:]):
+                same = same and _at(outer, key) is inner
             kept = [(key, _at(path[-1], key)) for key in known[2]] if same else ()
             if same and all(id(held) in addresses for _, held in kept):
                 if known[3] == [addresses[id(held)] for _, held in kept]:

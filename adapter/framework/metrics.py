@@ -33,6 +33,7 @@ from . import log
 PREFIX = "sglang_adapters:"
 FOLDER = "PROMETHEUS_MULTIPROC_DIR"
 _made: dict = {}
+_children: dict = {}  # (name, rank, *labels) -> the metric's child for them: a decode step's count is one call
 _stopped: Optional[str] = None  # why this process records no more metrics
 
 
@@ -40,6 +41,7 @@ def reset() -> None:
     """Forget the metrics made in this process and why they stopped (tests)."""
     global _stopped
     _made.clear()
+    _children.clear()
     _stopped = None
 
 
@@ -83,10 +85,14 @@ def _record(kind: str, name: str, doc: str, labels: dict, value: float) -> None:
     boundary with prometheus_client: a failure is said once and recording stops, never
     raised into the engine's start-up or its decode step."""
     try:
-        metric = _metric(kind, name, doc, sorted(labels))
-        if metric is None:
-            return
-        child = metric.labels(rank=log.process_label(), **labels)  # opens the folder's file the first time
+        rank = log.process_label()
+        key = (name, rank, *labels.items())
+        child = _children.get(key)
+        if child is None:
+            metric = _metric(kind, name, doc, sorted(labels))
+            if metric is None:
+                return
+            child = _children[key] = metric.labels(rank=rank, **labels)  # opens the folder's file the first time
         if kind == "Gauge":
             child.set(value)
         else:
