@@ -130,7 +130,10 @@ class Server:
             def log_message(self, *args):
                 pass
 
-        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Listener(http.server.ThreadingHTTPServer):
+            request_queue_size = 128  # the canary keeps 8 in flight per server: the default 5 resets some on a loaded machine
+
+        self.http = Listener(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_port}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
