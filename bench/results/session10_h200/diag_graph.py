@@ -1,12 +1,12 @@
 """Diagnostic: the parts of the boundary check on the served graph result (its logits a slice of
 the graph's output, which static_io[bs].logits holds), in fence_cost's setting on the GPU, bs 8."""
-import os, statistics, sys, time
+import os, sys
 sys.path.insert(0, os.getcwd())
 import torch
 from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
 from sglang_dsv41_adapters.framework import metrics
 from bench import fence_cost as fc
-from bench.fence_host_cost import STRIDE, captured, decode_result, rebuilt, worker_of
+from bench.fence_host_cost import STRIDE, captured, decode_result, parts_table, rebuilt, worker_of
 
 lib = accept_snapshot.load(sys.argv[1])[0]
 verify, epilogue, executor, device = fc.build(256)
@@ -38,14 +38,4 @@ parts = {
   "_said_copy": lambda: fence_boundary._said_copy(route),
   "empty launch": lambda: torch.cuda._sleep(0),
 }
-def us(f, n):
-    torch.cuda.synchronize(); s = time.perf_counter()
-    for _ in range(n): f()
-    e = time.perf_counter() - s; torch.cuda.synchronize(); return e / n * 1e6
-samples = {k: [] for k in parts}
-for k, f in parts.items(): us(f, 300)
-for _ in range(15):
-    for k, f in parts.items():
-        samples[k].append(us(f, 500))
-for k, v in samples.items():
-    v.sort(); print(f"{k:<30} {statistics.median(v):7.2f}  ({v[3]:.2f}..{v[11]:.2f})")
+parts_table(parts)

@@ -4,7 +4,7 @@ sys.path.insert(0, os.getcwd())
 import torch, wrapt
 from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
 from bench import fence_cost as fc
-from bench.fence_host_cost import captured, decode_result, rebuilt, worker_of
+from bench.fence_host_cost import captured, decode_result, parts_table, rebuilt, worker_of
 from harness.fence import fence_on, folded_kwargs
 
 kernel = sys.argv[1]
@@ -51,14 +51,4 @@ parts = {
   "thr1+scanNone": lambda: (thr1(), scan(None, full)),
   "thr+scanNone": lambda: (thr(), scan(None, full)),
 }
-def us(f, n):
-    torch.cuda.synchronize(); s = time.perf_counter()
-    for _ in range(n): f()
-    e = time.perf_counter() - s; torch.cuda.synchronize(); return e / n * 1e6
-samples = {k: [] for k in parts}
-for k, f in parts.items(): us(f, 300)
-for _ in range(15):
-    for k, f in parts.items():
-        samples[k].append(us(f, 100 if k.startswith("thr") else 500))
-for k, v in samples.items():
-    v.sort(); print(f"{k:<24} {statistics.median(v):7.2f}  ({v[3]:.2f}..{v[11]:.2f})")
+parts_table(parts, calls=lambda name: 100 if name.startswith("thr") else 500)
