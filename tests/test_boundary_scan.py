@@ -377,17 +377,20 @@ def test_the_c_form_of_check_results_answers_as_the_python_form(epilogue, case):
                                               outcomes[0][1] == expected[1])
 
 
+def profiled(result, epilogue) -> tuple:
+    """(through_worker's answer, the Python functions it called, in order)."""
+    called = []
+    sys.setprofile(lambda frame, event, arg: event == "call" and called.append(frame.f_code.co_name))
+    try:
+        return through_worker(result, epilogue), called
+    finally:
+        sys.setprofile(None)
+
+
 def test_the_c_form_runs_no_python_of_the_packs_on_a_clean_step_and_copies_an_escape(epilogue):
     through_worker(decode_result(4), epilogue)
     assert fence_boundary._native_check is not None
-
-    def calls(result):
-        called = []
-        sys.setprofile(lambda frame, event, arg: event == "call" and called.append(frame.f_code.co_name))
-        try:
-            return through_worker(result, epilogue), called
-        finally:
-            sys.setprofile(None)
+    calls = lambda result: profiled(result, epilogue)  # noqa: E731
 
     result = decode_result(4)
     returned, called = calls(result)
@@ -825,3 +828,43 @@ def test_the_keys_kept_by_type_are_read_again_at_each_step(epilogue):
         checked = fence_boundary._checked(result, epilogue, fence_boundary._cache(epilogue)[4](result, epilogue))
         assert checked is result and shares(result, epilogue) == []
     assert len(fence_boundary._plans) == 3  # Data; Data, list; Data, Data: each kept once, by its types
+
+
+def test_the_c_form_copies_a_find_whose_keys_a_python_copy_found(epilogue, monkeypatch):
+    """Once a copy in Python has found the keys down to a find, the C check copies the next
+    steps' finds (new objects of the same types) itself: the only Python of the pack's that runs is
+    the route's count and line. A step whose view sits elsewhere, or whose holder refuses the copy in
+    place, goes back to the Python form. Every step's view leaves copied, its value kept, its route
+    counted."""
+    from sglang_dsv41_adapters.framework import metrics
+
+    counted = []
+    monkeypatch.setattr(metrics, "count_boundary_copy", counted.append)
+    view = epilogue.commit_lens_buf[:4]
+
+    def planted(field: str):
+        result = decode_result(4)
+        setattr(result, field, view)
+        return result
+
+    through_worker(decode_result(4), epilogue)  # the map, and the walk meets the types
+    for field in ("accept_lens", "next_token_ids"):
+        for step in range(4):
+            epilogue.commit_lens_buf[:4] = torch.arange(4) + step
+            handed, called = profiled(planted(field), epilogue)
+            if step == 0:  # another field than the kept plan's: the Python form finds its key
+                assert "_copied" in called, called
+            else:
+                assert called == ["through_worker", "check_results", "<lambda>", "_said_copy", "say_once"], called
+            epilogue.commit_lens_buf[:4] = 99  # the next step rewrites the buffer
+            assert getattr(handed, field).tolist() == [step, step + 1, step + 2, step + 3]
+            assert counted[-1] == f"GenerationBatchResult.{field} <- DsparkVerifyEpilogue.commit_lens_buf"
+    assert len(counted) == 8
+
+    @dataclasses.dataclass(frozen=True)
+    class Sealed:
+        a: object
+
+    for step in range(3):  # refused in place: the walk rebuilds it at each step
+        handed, called = profiled(Data(Sealed(view)), epilogue)
+        assert "_walk" in called and shares(handed, epilogue) == [] and type(handed.a) is Sealed

@@ -55,6 +55,7 @@ _said: set = set()     # what was already reported in this process
 # epilogue (an id reused after it died finds it dead); the map serves only while _fresh says the
 # epilogue's memory is as it was walked.
 _storages: dict = {}
+_plans = {}  # the types down a path the scan found -> (the keys down it, the route, the keys found, their addresses, routes)
 _KINDS, _kind = holders.KINDS, holders.kind
 _LEAF, _TENSOR, _SEQUENCE, _MAPPING = holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING
 _FREE = object()       # a map's slot where a leaf or a tuple of leaves was: any such value may take its place
@@ -332,7 +333,7 @@ def _forget(maps: dict, key: int, owner) -> None:
 def _serve_native(library) -> None:
     global _native_check
     if _native_check is None:  # reads this very map (never rebound: reset() clears it in place)
-        _native_check = library.boundary_check(_storages, _checked, EPILOGUE)
+        _native_check = library.boundary_check(_storages, _checked, EPILOGUE, _plans, _said_copy)
 
 
 def detach_escapes(result, epilogue) -> tuple[object, list[str]]:
@@ -381,9 +382,6 @@ def shared_routes(found: list, epilogue) -> list:
         entry[1][id(tensor)] = address
         entry[2].append(address)
     return [(path[-1], *_kept(path, addresses, len(places), storages)) for path, addresses, places in by_holder.values()]
-
-
-_plans = {}  # the types down a path the scan found -> (the keys down it, the route, the keys found, their addresses, routes)
 
 
 def _kept(path: tuple, addresses: dict, count: int, storages: dict) -> tuple:

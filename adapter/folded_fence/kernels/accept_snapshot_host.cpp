@@ -8,7 +8,8 @@
 //   True only where the map still holds (fence_boundary._fresh) and fence_boundary's Python walk
 //   would find no route and report nothing; False (unsure) for anything it does not read exactly as
 //   that walk does, which then runs the walk;
-// - `boundary_check(...)`: fence_boundary.check_results in C over those scans;
+// - `boundary_check(...)`: fence_boundary.check_results in C over those scans (and its copy of a
+//   find whose keys a Python copy found);
 // - `report_sync(...)`: tp_divergence's wrapper of SpecTpSync.sync in C (its common eager call);
 // - `views_check()`: the cheap form's per-call test of its cached views (views_current).
 // Each hands its Python form what it does not do itself.
@@ -804,12 +805,15 @@ void drop(PyObject* capsule) {
 // check(wrapped, instance, args, kwargs). It calls through, reads the instance's epilogue as
 // getattr(instance, name, None) does, and returns the result where there is nothing to check
 // or the epilogue's bound scan (in fence_boundary's map, storages[id(epilogue)][4]) says
-// clean; anything else goes to `checked(result, epilogue, found)`, the Python form's rest, with what
-// the scan found (False: unsure, or the tensors that share the epilogue's storages).
+// clean; one tensor the scan found sharing the epilogue's storages is copied here where a Python
+// copy already found its keys (copied_by_plan); anything else goes to `checked(result, epilogue,
+// found)`, the Python form's rest, with what the scan found (False: unsure, or those tensors).
 struct BoundaryCheck {
-  PyObject* storages;  // fence_boundary._storages (owned references, all three)
+  PyObject* storages;  // fence_boundary._storages (owned references, all five)
   PyObject* checked;
   PyObject* name;
+  PyObject* plans;     // fence_boundary._plans: the keys a Python copy found down a path, by the path's types
+  PyObject* said;      // fence_boundary._said_copy: a copy's route counted and said
   // The last epilogue's bound scan, used while the map is the dict it was then (its version: any
   // entry added, replaced or dropped gives it a new one, and a dead epilogue's entry is dropped),
   // which keeps that scan alive: no id made and looked up at each step, and nothing kept here.
@@ -817,7 +821,7 @@ struct BoundaryCheck {
   PyObject* last_scan = nullptr;
   uint64_t map_version = 0;
   ~BoundaryCheck() {
-    for (PyObject* o : {storages, checked, name}) Py_XDECREF(o);
+    for (PyObject* o : {storages, checked, name, plans, said}) Py_XDECREF(o);
   }
 };
 
@@ -840,6 +844,66 @@ PyObject* bound_scan(BoundaryCheck& c, PyObject* epilogue) {
   c.last_epilogue = epilogue;
   c.map_version = version;
   return Py_NewRef(scan);  // the walk may run Python (a property) that drops it from the map
+}
+
+// getattr(holder, key) is `expected`, for a holder fence_boundary._at reads by getattr (not a list,
+// tuple or dict); false where it is not or the read raised (cleared).
+bool reads_at(PyObject* holder, PyObject* key, PyObject* expected) {
+  if (!PyUnicode_CheckExact(key) || PyList_Check(holder) || PyTuple_Check(holder) || PyDict_Check(holder)) return false;
+  PyObject* held = PyObject_GetAttr(holder, key);
+  if (held == nullptr) PyErr_Clear();
+  Py_XDECREF(held);
+  return held == expected;
+}
+
+// fence_boundary._copied for one find, where _plans holds what a Python copy found for its path's
+// types (the keys down it, the key of the tensor, its storage's address, its route) and each key
+// still reads what the scan met: the tensor cloned and set in its holder, the route handed to `said`.
+// False, nothing changed, where any of that differs: the Python form then serves.
+bool copied_by_plan(BoundaryCheck& c, PyObject* found) {
+  if (!PyList_CheckExact(found) || PyList_GET_SIZE(found) != 1) return false;
+  PyObject* entry = PyList_GET_ITEM(found, 0);  // (holders, tensor, address): scan_result's
+  PyObject* path = PyTuple_GET_ITEM(entry, 0);
+  PyObject* tensor = PyTuple_GET_ITEM(entry, 1);
+  const Py_ssize_t depth = PyTuple_GET_SIZE(path);
+  PyObject* types = PyTuple_New(depth);
+  if (types == nullptr) return false;
+  for (Py_ssize_t i = 0; i < depth; ++i) PyTuple_SET_ITEM(types, i, Py_NewRef((PyObject*)Py_TYPE(PyTuple_GET_ITEM(path, i))));
+  PyObject* plan = PyDict_GetItemWithError(c.plans, types);  // borrowed: the dict keeps it while nothing runs
+  Py_DECREF(types);
+  if (plan == nullptr || !PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 5) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_INCREF(plan);  // the reads below may run Python (a property) that drops it from _plans
+  PyObject *keys = PyTuple_GET_ITEM(plan, 0), *kept = PyTuple_GET_ITEM(plan, 2);
+  PyObject *addresses = PyTuple_GET_ITEM(plan, 3), *routes = PyTuple_GET_ITEM(plan, 4);
+  bool same = PyList_CheckExact(keys) && PyList_GET_SIZE(keys) == depth - 1 && PyList_CheckExact(kept) &&
+              PyList_GET_SIZE(kept) == 1 && PyList_CheckExact(addresses) && PyList_GET_SIZE(addresses) == 1 &&
+              PyList_CheckExact(routes) && PyList_GET_SIZE(routes) == 1 &&
+              PyObject_RichCompareBool(PyList_GET_ITEM(addresses, 0), PyTuple_GET_ITEM(entry, 2), Py_EQ) == 1;
+  for (Py_ssize_t i = 0; same && i + 1 < depth; ++i) {
+    same = reads_at(PyTuple_GET_ITEM(path, i), PyList_GET_ITEM(keys, i), PyTuple_GET_ITEM(path, i + 1));
+  }
+  PyObject* holder = PyTuple_GET_ITEM(path, depth - 1);
+  same = same && reads_at(holder, PyList_GET_ITEM(kept, 0), tensor);
+  PyObject* copy = nullptr;
+  if (same) {
+    try {
+      copy = THPVariable_Wrap(THPVariable_Unpack(tensor).clone());  // tensor.clone(), as _copied makes it
+    } catch (...) {
+      copy = nullptr;
+    }
+  }
+  same = copy != nullptr && PyObject_SetAttr(holder, PyList_GET_ITEM(kept, 0), copy) == 0;  // _put's setattr
+  Py_XDECREF(copy);
+  if (same) {
+    PyObject* said = PyObject_CallOneArg(c.said, PyList_GET_ITEM(routes, 0));
+    Py_XDECREF(said);
+  }
+  Py_DECREF(plan);
+  if (PyErr_Occurred()) PyErr_Clear();  // a count or line that failed is lost, never raised (as _said_copy's own)
+  return same;
 }
 
 PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -873,7 +937,7 @@ PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
                         result, epilogue);
     Py_DECREF(scan);
   }
-  if (found == Py_True) {
+  if (found == Py_True || copied_by_plan(*c, found)) {
     Py_DECREF(found);
     Py_DECREF(epilogue);
     return result;
@@ -1112,8 +1176,10 @@ PyMethodDef kReportMethod = {"report_sync", (PyCFunction)(void (*)(void))report_
                              "around_sync(wrapped, instance, args, kwargs) -> what SpecTpSync.sync returns, counted"};
 }  // namespace
 
-pybind11::object boundary_check(pybind11::dict storages, pybind11::object checked, pybind11::str name) {
-  auto* c = new BoundaryCheck{storages.inc_ref().ptr(), checked.inc_ref().ptr(), name.inc_ref().ptr()};
+pybind11::object boundary_check(pybind11::dict storages, pybind11::object checked, pybind11::str name,
+                                pybind11::dict plans, pybind11::object said) {
+  auto* c = new BoundaryCheck{storages.inc_ref().ptr(), checked.inc_ref().ptr(), name.inc_ref().ptr(),
+                              plans.inc_ref().ptr(), said.inc_ref().ptr()};
   return bound_function(c, kCheckCapsule, &kCheckMethod);
 }
 
