@@ -55,7 +55,8 @@ _said: set = set()     # what was already reported in this process
 # epilogue (an id reused after it died finds it dead); the map serves only while _fresh says the
 # epilogue's memory is as it was walked.
 _storages: dict = {}
-_plans = {}  # the types down a path the scan found -> (the keys down it, the route, the keys found, their addresses, routes)
+# the types down a path the scan found -> (the keys down it, the route, the keys found, their addresses, routes)
+_plans: dict = {}
 _KINDS, _kind = holders.KINDS, holders.kind
 _LEAF, _TENSOR, _SEQUENCE, _MAPPING = holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING
 _FREE = object()       # a map's slot where a leaf or a tuple of leaves was: any such value may take its place
@@ -352,13 +353,15 @@ def _copied(result, found: list, epilogue):
     _walk says it (the scan finds them where the walk would, and nothing else); None where
     one cannot be (a tuple holds one, a holder refuses it, anything raised): the walk then serves."""
     try:
-        planned = [(holder, where, {key: tensor.clone() for key, tensor in kept}, routes)
-                   for holder, where, kept, routes in shared_routes(found, epilogue)]
+        planned = [(holder, where, {key: tensor.clone() for key, tensor in kept}, routes, plan)
+                   for holder, where, kept, routes, plan in shared_routes(found, epilogue)]
     except Exception:  # noqa: BLE001 - the walk finds them again, and says what it cannot do
         return None
-    for holder, where, changes, routes in planned:
+    for holder, where, changes, routes, plan in planned:
         if _put(holder, changes, where) is not None:  # refused in place and rebuilt: the walk puts that up
             return None
+        if plan is not None and (plan[0] in _plans or len(_plans) < 64):  # kept once set in place: the C check reads it
+            _plans[plan[0]] = plan[1]
         for route in routes:
             _said_copy(route)
     return result
@@ -366,8 +369,9 @@ def _copied(result, found: list, epilogue):
 
 def shared_routes(found: list, epilogue) -> list:
     """What the native scan found, by holder: (the holder, the route to it, [(key, tensor)] for
-    each place it keeps a tensor over the epilogue's storages, the routes as _walk names them);
-    raises where a tuple holds one (it cannot take a copy in place) or a holder reads otherwise."""
+    each place it keeps a tensor over the epilogue's storages, the routes as _walk names them,
+    (the types down its path, what _plans is to keep for them) where it found the keys anew, else
+    None); raises where a tuple holds one (it cannot take a copy in place) or a holder reads otherwise."""
     storages = _storages[id(epilogue)][3]  # the map the scan just found holding
     if len(found) == 1:  # a served step's one: its logits
         path, tensor, address = found[0]
@@ -381,14 +385,16 @@ def shared_routes(found: list, epilogue) -> list:
         entry = by_holder.setdefault(id(path[-1]), (path, {}, []))
         entry[1][id(tensor)] = address
         entry[2].append(address)
-    return [(path[-1], *_kept(path, addresses, len(places), storages)) for path, addresses, places in by_holder.values()]
+    return [(path[-1], *_kept(path, addresses, len(places), storages))
+            for path, addresses, places in by_holder.values()]
 
 
 def _kept(path: tuple, addresses: dict, count: int, storages: dict) -> tuple:
     """(the route to path's last holder, [(key, tensor)] for the `count` places it keeps the tensors
-    of `addresses` (id -> storage address) in, their routes). Found by reading each holder as the
-    walk does, and kept by the types down the path: the next step's new objects are then read at
-    those keys only, and found again where any differs."""
+    of `addresses` (id -> storage address) in, their routes, the plan to keep or None). Found by
+    reading each holder as the walk does, and kept by the types down the path (by _copied, once the
+    copies were taken in place): the next step's new objects are then read at those keys only, and
+    found again where any differs."""
     types = tuple(map(type, path))
     known = _plans.get(types)
     if known is not None and len(known[2]) == count:
@@ -399,8 +405,9 @@ def _kept(path: tuple, addresses: dict, count: int, storages: dict) -> tuple:
             kept = [(key, _at(path[-1], key)) for key in known[2]] if same else ()
             if same and all(id(held) in addresses for _, held in kept):
                 if known[3] == [addresses[id(held)] for _, held in kept]:
-                    return known[1], kept, known[4]
-                return known[1], kept, _routes(known[1], path[-1], kept, addresses, storages)
+                    return known[1], kept, known[4], None
+                routes = _routes(known[1], path[-1], kept, addresses, storages)
+                return known[1], kept, routes, (types, (*known[:3], [addresses[id(held)] for _, held in kept], routes))
         except Exception:  # noqa: BLE001 - read otherwise now: found again below
             pass
     keys = [next(key for key, held in holders.items(outer) if held is inner) for outer, inner in zip(path, path[1:])]
@@ -411,9 +418,8 @@ def _kept(path: tuple, addresses: dict, count: int, storages: dict) -> tuple:
     if len(kept) != count:
         raise LookupError(f"{where} holds {len(kept)} of the {count} tensors the scan found there")
     routes = _routes(where, path[-1], kept, addresses, storages)
-    if len(_plans) < 64:
-        _plans[types] = (keys, where, [key for key, _ in kept], [addresses[id(held)] for _, held in kept], routes)
-    return where, kept, routes
+    found_at = [addresses[id(held)] for _, held in kept]
+    return where, kept, routes, (types, (keys, where, [key for key, _ in kept], found_at, routes))
 
 
 def _routes(where: str, holder, kept: list, addresses: dict, storages: dict) -> list:
