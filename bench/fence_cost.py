@@ -41,8 +41,8 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
   fence_boundary_graph  the same with the result's logits as 0.5.23's default decode graph backend
                    returns them: a slice of the graph's output, which static_io[bs].logits holds
                    since capture. They share the epilogue's memory, so the check copies them at
-                   each step (the Python walk), though nothing reads them after the worker returns
-                   (docs/performance.md); over step_floor
+                   each step (in C, once a first copy in Python found their keys), though nothing
+                   in 0.5.23 reads them after the worker returns (docs/performance.md); over step_floor
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
 ring_replay (a captured copy into preallocated slots: a slot a stalled reader could

@@ -373,11 +373,6 @@ def shared_routes(found: list, epilogue) -> list:
     (the types down its path, what _plans is to keep for them) where it found the keys anew, else
     None); raises where a tuple holds one (it cannot take a copy in place) or a holder reads otherwise."""
     storages = _storages[id(epilogue)][3]  # the map the scan just found holding
-    if len(found) == 1:  # a served step's one: its logits
-        path, tensor, address = found[0]
-        if isinstance(path[-1], tuple):
-            raise TypeError("a tuple holds it")
-        return [(path[-1], *_kept(path, {id(tensor): address}, 1, storages))]
     by_holder = {}  # id(holder) -> (the path to it, id(tensor) -> its storage's address, how many found there)
     for path, tensor, address in found:
         if isinstance(path[-1], tuple):

@@ -792,8 +792,8 @@ PyObject* scan_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 
 PyMethodDef kScanMethod = {"boundary_scan", (PyCFunction)(void (*)(void))scan_call, METH_FASTCALL,
                            "scan(result, epilogue) -> True: nothing in result shares the epilogue's storages (exact); "
-                           "[(holders from result down, tensor), ...]: those share them and are all the walk would "
-                           "find; False: unsure, run the Python walk"};
+                           "[(holders from result down, tensor, its storage's address), ...]: those share them and "
+                           "are all the walk would find; False: unsure, run the Python walk"};
 
 // A capsule's destructor: deletes the state it owns (its name is the one it was made with).
 template <typename State>
@@ -930,13 +930,10 @@ PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* scan = bound_scan(*c, epilogue);
   if (PyErr_Occurred()) PyErr_Clear();
-  PyObject* found = Py_NewRef(Py_False);
-  if (scan != nullptr) {
-    Py_DECREF(found);
-    found = scan_result(*static_cast<BoundaryScan*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(scan), kScanCapsule)),
-                        result, epilogue);
-    Py_DECREF(scan);
-  }
+  PyObject* found = scan == nullptr ? Py_NewRef(Py_False)
+      : scan_result(*static_cast<BoundaryScan*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(scan), kScanCapsule)),
+                    result, epilogue);
+  Py_XDECREF(scan);
   if (found == Py_True || copied_by_plan(*c, found)) {
     Py_DECREF(found);
     Py_DECREF(epilogue);
