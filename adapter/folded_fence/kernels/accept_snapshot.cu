@@ -261,6 +261,24 @@ at::Tensor receive(const at::Tensor& like) {
   return kept.last;
 }
 
+// tensor.clone() for the boundary's copy of a found tensor, each step: where the tensor is one
+// dense CUDA block (contiguous, no conj/neg bit, no grad), a tensor of its dtype and shape from
+// the caching allocator and one device-to-device copy on the current stream, which is what
+// clone() comes to there, without the dispatcher and TensorIterator on the way; else clone().
+at::Tensor dense_copy(const at::Tensor& t) {
+  if (!t.is_cuda() || !t.is_contiguous() || t.requires_grad() || t.is_conj() || t.is_neg()) return t.clone();
+  const auto device = t.device();
+  c10::optional<c10::cuda::CUDAGuard> guard;
+  if (device.index() != c10::cuda::current_device()) guard.emplace(device);
+  at::Tensor copy = at::detail::empty_cuda(t.sizes(), t.scalar_type(), device, c10::nullopt);
+  const size_t bytes = (size_t)t.numel() * t.element_size();
+  if (bytes > 0) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(copy.data_ptr(), t.data_ptr(), bytes, cudaMemcpyDeviceToDevice,
+                                   c10::cuda::getCurrentCUDAStream(device.index()).stream()));
+  }
+  return copy;
+}
+
 void empty_launch() {
   empty_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>();
   C10_CUDA_KERNEL_LAUNCH_CHECK();

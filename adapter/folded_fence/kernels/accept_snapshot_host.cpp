@@ -34,6 +34,7 @@ bool count_divergence(const std::vector<at::Tensor>& mine, const std::vector<at:
 bool count_pair(const at::Tensor& mine, const at::Tensor& theirs, const at::Tensor& counts, int64_t row,
                 bool settle);
 at::Tensor receive(const at::Tensor& like);
+at::Tensor dense_copy(const at::Tensor& t);
 // Written by the build: "archs=...;source=...;torch=..." (the loader checks it).
 std::string build_info();
 
@@ -890,7 +891,7 @@ bool copied_by_plan(BoundaryCheck& c, PyObject* found) {
   PyObject* copy = nullptr;
   if (same) {
     try {
-      copy = THPVariable_Wrap(THPVariable_Unpack(tensor).clone());  // tensor.clone(), as _copied makes it
+      copy = THPVariable_Wrap(dense_copy(THPVariable_Unpack(tensor)));  // tensor.clone(), as _copied makes it
     } catch (...) {
       copy = nullptr;
     }
@@ -1256,6 +1257,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("count_divergence", count_divergence, "count_divergence");
   m.def("count_pair", count_pair, "count_pair");
   m.def("receive", receive, "receive");
+  m.def("dense_copy", dense_copy, "dense_copy");
   m.def("boundary_scan", boundary_scan, "boundary_scan");
   m.def("boundary_check", boundary_check, "boundary_check");
   m.def("report_sync", report_sync, "report_sync");
