@@ -331,3 +331,80 @@ def test_a_buffer_repointed_in_place_is_copied_from_its_new_memory(how, tmp_path
         through_repointings(how, tmp_path, monkeypatch, torch.device("cuda", torch.cuda.current_device()))
     finally:
         runtime.revert()
+
+
+def test_dense_copy_is_clone_for_what_it_copies_and_clone_for_the_rest():
+    """The kernel file's copy of a found tensor (the C check's, each step) gives what
+    tensor.clone() gives: the same values, dtype, shape, strides and device, in fresh memory;
+    a tensor it does not copy itself (not one dense block) is cloned."""
+    mode = accept_snapshot.copy_mode()
+    assert mode[0] == "one-launch", f"the kernel file does not serve this GPU: {mode}"
+    library = accept_snapshot.extension()
+    device = torch.device("cuda", torch.cuda.current_device())
+    wide = torch.randn(8 * STRIDE, 129280, device=device)
+    cases = {
+        "logits as the graph returns them": wide[: 4 * STRIDE],
+        "int64 ids": torch.arange(1000, device=device),
+        "bfloat16": torch.randn(33, 7, device=device).to(torch.bfloat16),
+        "empty": torch.zeros(0, 5, device=device),
+        "transposed (not contiguous)": wide[:16, :64].t(),
+        "strided rows": wide[::2, :100],
+    }
+    for name, tensor in cases.items():
+        copy, clone = library.dense_copy(tensor), tensor.clone()
+        torch.cuda.synchronize()
+        assert (copy.dtype, copy.shape, copy.stride(), copy.device) == (clone.dtype, clone.shape, clone.stride(), clone.device), name
+        assert torch.equal(copy, tensor), name
+        assert tensor.numel() == 0 or copy.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr(), name
+
+
+def test_the_served_graph_steps_logits_are_copied_by_the_c_check_and_keep_their_step():
+    """0.5.23's default decode graph hands out its logits as a slice of the graph's output, which
+    the epilogue's static_io[bs].logits holds: the boundary copies them where they leave the
+    worker. The first step's copy is made in Python (finding the keys down to them); each later
+    step's, at every batch size, by the C check (dense_copy). Each step's handed-out logits keep that step's values
+    while the next "replays" rewrite the graph's output, over 16 steps per batch size."""
+    from sglang.srt.speculative.dspark_components import dspark_verify as verify
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+    from sglang_dsv41_adapters.folded_fence import fence_boundary
+    from bench.fence_host_cost import captured, decode_result, rebuilt, worker_of
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
+    epilogue = verify.DsparkVerifyEpilogue(max_bs=MAX_BS, verify_num_draft_tokens=STRIDE, device=device, tp_sync=tp_sync)
+    captured(epilogue)  # static_io as capture leaves it: per batch size, views of the runner's buffers
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    python_copies = []
+    copied = fence_boundary._copied
+
+    def counted(result, found, held):
+        python_copies.append(type(result).__name__)
+        return copied(result, found, held)
+
+    fence_boundary._copied = counted
+    try:
+        for bs in (1, 8, 64, 256):
+            output = epilogue.static_io[bs].logits
+            result = decode_result(bs, device=device)
+            worker = worker_of(epilogue, lambda self, batch: rebuilt(result, logits=output[: bs * STRIDE]))
+            python_copies.clear()
+            handed = []
+            forward = torch.cuda.Stream(device)
+            with torch.cuda.stream(forward):
+                for step in range(16):
+                    output.copy_(torch.full_like(output, float(bs * 100 + step)))  # the step's replay
+                    logits = worker.forward_batch_generation(None).logits_output.next_token_logits
+                    assert logits.untyped_storage().data_ptr() != output.untyped_storage().data_ptr(), (bs, step)
+                    handed.append(logits)
+            torch.cuda.synchronize()
+            assert fence_boundary.check_mode() == "native"
+            # the first step found the keys in Python; every other, at every batch size (the same
+            # types down the route, the same storage), was the C check's copy
+            assert python_copies == (["GenerationBatchResult"] if bs == 1 else []), (bs, python_copies)
+            for step, logits in enumerate(handed):
+                assert torch.equal(logits, torch.full_like(logits, float(bs * 100 + step))), (bs, step)
+    finally:
+        fence_boundary._copied = copied
+        fence_boundary.reset()
+        fence_boundary.use_native()
