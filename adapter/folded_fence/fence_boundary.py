@@ -11,7 +11,8 @@ same way (_map) and that map is tested by memory at each use (_fresh): a buffer
 re-pointed in place is the same object over other memory, and an id is another
 epilogue's once the first died. One that shares storage is copied there, on
 the forward stream and before the next replay is queued, so the readback still reads
-this step; and the route is named once per process, since the fence's checks missed it.
+this step; and the route is named once per process, since the fence does not copy it
+itself (0.5.23's default decode graph hands out its logits this way at every step).
 A holder that cannot take the copy in place (a tuple, a frozen struct) is rebuilt and
 handed to its own holder; the result itself, rebuilt, is what the worker returns.
 
@@ -489,8 +490,9 @@ def _walk(result, epilogue) -> tuple[object, list[str]]:
 
 def _said_copy(route: str) -> None:
     metrics.count_boundary_copy(route)  # every copy, every step: /metrics keeps what log rotation drops
-    say_once(route, f"boundary: {route} shared the verify graph's buffers; copied where it leaves the worker "
-                    "(a route the fence's checks missed: please report it)")
+    say_once(route, f"boundary: {route} shared the verify graph's buffers; copied where it leaves the worker, "
+                    "at each step it does (a route the fence does not copy itself: docs/adapters.md lists the "
+                    "known ones; please report any other)")
 
 
 def _where(queue: list, at: int) -> str:

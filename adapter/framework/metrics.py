@@ -130,6 +130,6 @@ def copy_mode(mode: str) -> None:
 
 def count_boundary_copy(route: str) -> None:
     """One result copied where it leaves the worker because it shared the verify graph's
-    buffers (adapter.folded_fence.fence_boundary, at each copy): a route the fence's checks missed."""
+    buffers (adapter.folded_fence.fence_boundary, at each copy): a route the fence does not copy itself."""
     count("fence_boundary_copies", "results the folded fence copied where they leave the DSpark worker, by route",
           route=route)
