@@ -347,6 +347,7 @@ def test_dense_copy_is_clone_for_what_it_copies_and_clone_for_the_rest():
         "int64 ids": torch.arange(1000, device=device),
         "bfloat16": torch.randn(33, 7, device=device).to(torch.bfloat16),
         "empty": torch.zeros(0, 5, device=device),
+        "a size-1 dimension's own stride": torch.arange(5.0, device=device).as_strided((1, 5), (1, 1)),
         "transposed (not contiguous)": wide[:16, :64].t(),
         "strided rows": wide[::2, :100],
     }

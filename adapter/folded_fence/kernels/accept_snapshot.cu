@@ -270,7 +270,8 @@ at::Tensor dense_copy(const at::Tensor& t) {
   const auto device = t.device();
   c10::optional<c10::cuda::CUDAGuard> guard;
   if (device.index() != c10::cuda::current_device()) guard.emplace(device);
-  at::Tensor copy = at::detail::empty_cuda(t.sizes(), t.scalar_type(), device, c10::nullopt);
+  // clone()'s strides, which a contiguous tensor's size-1 dimensions may give otherwise
+  at::Tensor copy = at::detail::empty_strided_cuda(t.sizes(), t.strides(), t.scalar_type(), device);
   const size_t bytes = (size_t)t.numel() * t.element_size();
   if (bytes > 0) {
     C10_CUDA_CHECK(cudaMemcpyAsync(copy.data_ptr(), t.data_ptr(), bytes, cudaMemcpyDeviceToDevice,
