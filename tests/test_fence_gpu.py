@@ -70,18 +70,23 @@ class Step:
         return {name: torch.equal(host[name], value.cpu()) for name, value in self.values.items()}
 
 
+def new_epilogue(device):
+    """A real 0.5.23 DsparkVerifyEpilogue on `device`, MAX_BS wide."""
+    from sglang.srt.speculative.dspark_components import dspark_verify as verify
+    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+    # SpecTpSync only reads world_size and rank_in_group from its group at TP=1.
+    tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
+    return verify.DsparkVerifyEpilogue(max_bs=MAX_BS, verify_num_draft_tokens=STRIDE, device=device, tp_sync=tp_sync)
+
+
 @pytest.fixture(scope="module")
 def gpu():
     from sglang.srt.speculative.dspark_components import dspark_verify as verify
-    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
     from sglang.srt.utils.common import async_d2h
 
     device = torch.device("cuda", torch.cuda.current_device())
-    # SpecTpSync only reads world_size and rank_in_group from its group at TP=1.
-    tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
-    epilogue = verify.DsparkVerifyEpilogue(
-        max_bs=MAX_BS, verify_num_draft_tokens=STRIDE, device=device, tp_sync=tp_sync
-    )
+    epilogue = new_epilogue(device)
     # A TargetVerifyExecutor built minimally (object.__new__): on the folded path
     # accept_and_finalize reads only self.verify_epilogue (note_static_verify, read_accept).
     executor = object.__new__(verify.TargetVerifyExecutor)
@@ -359,31 +364,24 @@ def test_dense_copy_is_clone_for_what_it_copies_and_clone_for_the_rest():
         assert tensor.numel() == 0 or copy.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr(), name
 
 
-def test_the_served_graph_steps_logits_are_copied_by_the_c_check_and_keep_their_step():
+def test_the_served_graph_steps_logits_are_copied_by_the_c_check_and_keep_their_step(monkeypatch):
     """0.5.23's default decode graph hands out its logits as a slice of the graph's output, which
     the epilogue's static_io[bs].logits holds: the boundary copies them where they leave the
     worker. The first step's copy is made in Python (finding the keys down to them); each later
     step's, at every batch size, by the C check (dense_copy). Each step's handed-out logits keep that step's values
     while the next "replays" rewrite the graph's output, over 16 steps per batch size."""
-    from sglang.srt.speculative.dspark_components import dspark_verify as verify
-    from sglang.srt.speculative.spec_tp_sync import SpecTpSync
     from sglang_dsv41_adapters.folded_fence import fence_boundary
     from bench.fence_host_cost import captured, decode_result, rebuilt, worker_of
 
     device = torch.device("cuda", torch.cuda.current_device())
-    tp_sync = SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
-    epilogue = verify.DsparkVerifyEpilogue(max_bs=MAX_BS, verify_num_draft_tokens=STRIDE, device=device, tp_sync=tp_sync)
+    epilogue = new_epilogue(device)
     captured(epilogue)  # static_io as capture leaves it: per batch size, views of the runner's buffers
     fence_boundary.reset()
     fence_boundary.use_native()
     python_copies = []
     copied = fence_boundary._copied
-
-    def counted(result, found, held):
-        python_copies.append(type(result).__name__)
-        return copied(result, found, held)
-
-    fence_boundary._copied = counted
+    monkeypatch.setattr(fence_boundary, "_copied",
+                        lambda result, found, held: python_copies.append(type(result).__name__) or copied(result, found, held))
     try:
         for bs in (1, 8, 64, 256):
             output = epilogue.static_io[bs].logits
@@ -406,6 +404,5 @@ def test_the_served_graph_steps_logits_are_copied_by_the_c_check_and_keep_their_
             for step, logits in enumerate(handed):
                 assert torch.equal(logits, torch.full_like(logits, float(bs * 100 + step))), (bs, step)
     finally:
-        fence_boundary._copied = copied
         fence_boundary.reset()
         fence_boundary.use_native()

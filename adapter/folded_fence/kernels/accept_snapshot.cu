@@ -262,7 +262,7 @@ at::Tensor receive(const at::Tensor& like) {
 }
 
 // tensor.clone() for the boundary's copy of a found tensor, each step: where the tensor is one
-// dense CUDA block (contiguous, no conj/neg bit, no grad), a tensor of its dtype and shape from
+// dense CUDA block (contiguous, no conj/neg bit, no grad), a tensor of its dtype, shape and strides from
 // the caching allocator and one device-to-device copy on the current stream, which is what
 // clone() comes to there, without the dispatcher and TensorIterator on the way; else clone().
 at::Tensor dense_copy(const at::Tensor& t) {
