@@ -3,7 +3,7 @@
     python bench/fence_cost.py [--json OUT] [--bs 8 64 256] [--calls 3000] [--reps 7]
 
 Host time per call (microseconds; the median of --reps repetitions of --calls calls,
-the variants interleaved within each repetition, the GPU idle at the start of each, each
+the variants and batch sizes interleaved within each repetition, the GPU idle at the start of each, each
 variant set up and called SETTLE times untimed before its calls: the state a served rank has)
 of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.23
 `dspark_verify` module (a real `DsparkVerifyEpilogue` on the GPU):
@@ -316,18 +316,23 @@ def main(argv=None) -> int:
     full = build(max(args.bs))[1]
     captured(full)
     original = vars(verify.TargetVerifyExecutor)[ORIGINAL]  # the engine's own (build() unpatched it)
-    results = {}
-    for bs in args.bs:
-        table = variants(verify, epilogue, executor, device, bs, original, full)
-        samples = {name: [] for name in table}
-        for name, (setup, call) in table.items():  # warm-up
+    tables = {bs: variants(verify, epilogue, executor, device, bs, original, full) for bs in args.bs}
+    samples = {bs: {name: [] for name in table} for bs, table in tables.items()}
+    for table in tables.values():  # warm-up
+        for name, (setup, call) in table.items():
             setup()
             for _ in range(200):
                 call()
-        for _ in range(args.reps):
+    # Every batch size in every repetition, so each meets the host as the others do (it moves between
+    # speeds for seconds at a time). Measured one after the other, bs 8 (the first) had come out 0.2
+    # to 0.7 L above bs 64 and 256 in the boundary and step rows of every full run, for the same host work.
+    for _ in range(args.reps):
+        for bs, table in tables.items():
             for name, (setup, call) in table.items():
                 settle(setup, call)
-                samples[name].append(host_us(call, args.calls))
+                samples[bs][name].append(host_us(call, args.calls))
+    results = {}
+    for bs, table in tables.items():
         counts = {}
         if not args.no_profile:
             for name, (setup, call) in table.items():
@@ -345,7 +350,7 @@ def main(argv=None) -> int:
                 "samples_us": values,
                 **counts.get(name, {}),
             }
-            for name, values in samples.items()
+            for name, values in samples[bs].items()
         }
 
     yard = "empty_launch" if "empty_launch" in results[args.bs[0]] else "sleep0_launch"

@@ -103,6 +103,36 @@ def test_nothing_is_recorded_without_the_engines_metrics(monkeypatch):
     assert metrics.made() == []  # no metric made, nothing written
 
 
+
+def test_whether_metrics_are_on_follows_the_environment_as_os_environ_reads_it(monkeypatch, tmp_path):
+    """enabled() reads os.environ's own dict (a step's count asks it): set, replaced, deleted,
+    cleared and set again, monkeypatched, and a mapping passed in, it answers as `in` does."""
+    monkeypatch.delenv(metrics.FOLDER, raising=False)
+    metrics.reset()
+    seen = []
+    for change in (lambda: os.environ.__setitem__(metrics.FOLDER, str(tmp_path)),
+                   lambda: os.environ.update({metrics.FOLDER: "/elsewhere"}),
+                   lambda: os.environ.pop(metrics.FOLDER),
+                   lambda: monkeypatch.setenv(metrics.FOLDER, str(tmp_path)),
+                   lambda: monkeypatch.delenv(metrics.FOLDER),
+                   lambda: os.environ.setdefault(metrics.FOLDER, str(tmp_path))):
+        change()
+        seen.append(metrics.enabled())
+        assert seen[-1] is (metrics.FOLDER in os.environ)
+        assert metrics.enabled({}) is False and metrics.enabled({metrics.FOLDER: "x"}) is True
+    assert seen == [True, True, False, True, False, True]
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        assert metrics.enabled() is False
+    finally:
+        os.environ.update(saved)
+    assert metrics.enabled() is True
+    metrics._stop("a test")  # stopped: off whatever the environment says
+    assert metrics.enabled() is False and metrics.enabled({metrics.FOLDER: "x"}) is False
+    metrics.reset()
+    os.environ.pop(metrics.FOLDER)
+
 # --- a folder the pack cannot write: one line, never a crash; the whole pack off: nothing --------
 
 def as_file(folder):

@@ -35,6 +35,7 @@ FOLDER = "PROMETHEUS_MULTIPROC_DIR"
 _made: dict = {}
 _children: dict = {}  # (name, rank, *labels) -> the metric's child for them: a decode step's count is one call
 _stopped: Optional[str] = None  # why this process records no more metrics
+_DEFAULT_ENVIRON = os.environ
 
 
 def reset() -> None:
@@ -50,8 +51,19 @@ def made() -> list[str]:
     return sorted(_made)
 
 
+# os.environ's own dict (its keys encoded), read directly: `FOLDER in os.environ` runs three Python
+# calls of os._Environ, which a count on the decode path made at every step. It is the dict
+# os.environ's writes go through (putenv with it), so it answers as os.environ does.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_FOLDER_KEY = os.environ.encodekey(FOLDER) if isinstance(_ENVIRON_DATA, dict) else None
+
+
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return FOLDER in environ and _stopped is None
+    if _stopped is not None:
+        return False
+    if environ is _DEFAULT_ENVIRON and _FOLDER_KEY is not None:
+        return _FOLDER_KEY in _ENVIRON_DATA
+    return FOLDER in environ
 
 
 def stopped() -> Optional[str]:
