@@ -324,8 +324,8 @@ def main(argv=None) -> int:
             for _ in range(200):
                 call()
     # Every batch size in every repetition, so each meets the host as the others do (it moves between
-    # speeds for seconds at a time). Measured one after the other, bs 8 (the first) had come out 0.2
-    # to 0.7 L above bs 64 and 256 in the boundary and step rows of every full run, for the same host work.
+    # speeds for seconds at a time). Measured one after the other, bs 8 (the first) had come out 0.1
+    # to 0.8 L above bs 64 and 256 in the boundary and step rows of every full run, for the same host work.
     for _ in range(args.reps):
         for bs, table in tables.items():
             for name, (setup, call) in table.items():
