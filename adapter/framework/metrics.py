@@ -54,8 +54,9 @@ def made() -> list[str]:
 # os.environ's own dict (its keys encoded), read directly: `FOLDER in os.environ` runs three Python
 # calls of os._Environ, which a count on the decode path made at every step. It is the dict
 # os.environ's writes go through (putenv with it), so it answers as os.environ does.
-_ENVIRON_DATA = getattr(os.environ, "_data", None)
-_FOLDER_KEY = os.environ.encodekey(FOLDER) if isinstance(_ENVIRON_DATA, dict) else None
+# Another Python whose os.environ lacks these reads it as `in` does.
+_ENVIRON_DATA, _encode_key = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+_FOLDER_KEY = _encode_key(FOLDER) if isinstance(_ENVIRON_DATA, dict) and callable(_encode_key) else None
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
