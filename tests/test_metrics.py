@@ -103,7 +103,6 @@ def test_nothing_is_recorded_without_the_engines_metrics(monkeypatch):
     assert metrics.made() == []  # no metric made, nothing written
 
 
-
 def test_whether_metrics_are_on_follows_the_environment_as_os_environ_reads_it(monkeypatch, tmp_path):
     """enabled() reads os.environ's own dict (a step's count asks it): set, replaced, deleted,
     cleared and set again, monkeypatched, and a mapping passed in, it answers as `in` does."""
@@ -132,6 +131,7 @@ def test_whether_metrics_are_on_follows_the_environment_as_os_environ_reads_it(m
     assert metrics.enabled() is False and metrics.enabled({metrics.FOLDER: "x"}) is False
     metrics.reset()
     os.environ.pop(metrics.FOLDER)
+
 
 # --- a folder the pack cannot write: one line, never a crash; the whole pack off: nothing --------
 

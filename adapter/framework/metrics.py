@@ -35,7 +35,6 @@ FOLDER = "PROMETHEUS_MULTIPROC_DIR"
 _made: dict = {}
 _children: dict = {}  # (name, rank, *labels) -> the metric's child for them: a decode step's count is one call
 _stopped: Optional[str] = None  # why this process records no more metrics
-_DEFAULT_ENVIRON = os.environ
 
 
 def reset() -> None:
@@ -55,14 +54,15 @@ def made() -> list[str]:
 # calls of os._Environ, which a count on the decode path made at every step. It is the dict
 # os.environ's writes go through (putenv with it), so it answers as os.environ does.
 # Another Python whose os.environ lacks these reads it as `in` does.
-_ENVIRON_DATA, _encode_key = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+_ENVIRON = os.environ  # enabled()'s default, the object whose dict is read
+_ENVIRON_DATA, _encode_key = getattr(_ENVIRON, "_data", None), getattr(_ENVIRON, "encodekey", None)
 _FOLDER_KEY = _encode_key(FOLDER) if isinstance(_ENVIRON_DATA, dict) and callable(_encode_key) else None
 
 
-def enabled(environ: Mapping[str, str] = os.environ) -> bool:
+def enabled(environ: Mapping[str, str] = _ENVIRON) -> bool:
     if _stopped is not None:
         return False
-    if environ is _DEFAULT_ENVIRON and _FOLDER_KEY is not None:
+    if environ is _ENVIRON and _FOLDER_KEY is not None:
         return _FOLDER_KEY in _ENVIRON_DATA
     return FOLDER in environ
 
