@@ -43,6 +43,9 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
                    since capture. They share the epilogue's memory, so the check copies them at
                    each step (in C, once a first copy in Python found their keys), though nothing
                    in 0.5.23 reads them after the worker returns (docs/performance.md); over step_floor
+  fence_wrapt, fence_boundary_step_wrapt  fence and fence_boundary_step with both bindings wrapt's
+                   (the fence's form and check_results called through wrapt, as before the kernel
+                   file's fenced_method and boundary_method stood in for them once trusted)
 
 Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
 ring_replay (a captured copy into preallocated slots: a slot a stalled reader could
@@ -75,7 +78,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary
+from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary, fence_forms
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import patching, runtime  # noqa: E402
 from sglang_dsv41_adapters.framework.plan import Patch  # noqa: E402
@@ -150,6 +153,9 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
             unpatched()
             fence_on()
             accept_snapshot.use_extension(one_launch)
+            form = next(s.patch.wrapper for s in patching.applied() if s.name == ORIGINAL)
+            if isinstance(form, fence_forms.CheapForm) and form.trusted:  # trusted before a by_wrapt row unbound it
+                form._bind_in_c()
         return setup
 
     def clones6():
@@ -172,6 +178,19 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         outs = executor.accept_and_finalize(**kw)
         worker.forward_batch_generation(None)
         return outs
+
+    def by_wrapt(call_):
+        """fenced(True), trusted, then both bindings wrapt's again (the fence's form and check_results
+        called through wrapt, check_results' C form inside it): the step as bound before 2026-12-02's
+        eighth session, beside the kernel file's methods in the same run."""
+        def setup():
+            fenced(True)()
+            for _ in range(fence_forms.PROOF_CALLS + 1):
+                call_()
+            form = next(s.patch.wrapper for s in patching.applied() if s.name == ORIGINAL)
+            patching.bind_faster(form)
+            patching.bind_faster(fence_boundary.check_results)
+        return setup
 
     def walked(setup):
         def python_walk():
@@ -196,21 +215,26 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         "step_floor": (unpatched, lambda: with_boundary(bare)),
         "fence_boundary_step": (fenced(True), lambda: with_boundary(served)),
         "fence_boundary_graph": (fenced(True), lambda: with_boundary(from_graph)),
+        "fence_wrapt": (by_wrapt(call), call),
+        "fence_boundary_step_wrapt": (by_wrapt(lambda: with_boundary(served)), lambda: with_boundary(served)),
     }
     if ext is not None:
         table = {"empty_launch": (unpatched, ext.empty_launch), **table}
     else:
         for name in ("fence", "fence_general", "fence_boundary", "fence_boundary_captured", "fence_boundary_step",
-                     "fence_boundary_graph"):
+                     "fence_boundary_graph", "fence_wrapt", "fence_boundary_step_wrapt"):
             table.pop(name)
     # Every fenced variant returns detached copies of the right values (checked untimed),
     # and the fence is the cheap form where the engine allows it.
     for name in ("fence", "fence_general", "fence_clones"):
         if name in table:
             table[name][0]()
+            for _ in range(fence_forms.PROOF_CALLS + 1):  # past the proofs: the trusted call's own results
+                table[name][1]()
             first, second = table[name][1](), table[name][1]()
             check_detached(verify, epilogue, first, bs)
             assert first.correct_len.data_ptr() != second.correct_len.data_ptr(), f"{name}: memory reused"
+            print(f"bs={bs}: {name}: accept_and_finalize bound as {type(vars(TVE)[ORIGINAL]).__name__}", flush=True)
     fenced(True)()
     wrapper = next(s.patch.wrapper for s in patching.applied() if s.name == ORIGINAL)
     form = getattr(wrapper, "func", wrapper)
@@ -222,7 +246,8 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
     assert fresh is not result and fresh.accept_lens is result.accept_lens, "a new result over the same tensors, unchanged"
     copied = from_graph.forward_batch_generation(None).logits_output.next_token_logits
     assert copied.untyped_storage().data_ptr() != graph_logits.untyped_storage().data_ptr(), "the graph's logits left uncopied"
-    print(f"bs={bs}: the boundary check is {fence_boundary.check_mode()}", flush=True)
+    print(f"bs={bs}: the boundary check is {fence_boundary.check_mode()}, the worker's method bound as "
+          f"{type(vars(type(served))['forward_batch_generation']).__name__}", flush=True)
     unpatched()
     return table
 
@@ -267,7 +292,7 @@ def launches(call) -> dict:
 
 # A row over a floor of its own (else over the unfenced call): the whole fenced steps with a new
 # result each step, over the unpatched call and the same worker unwrapped.
-FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "step_floor"}
+FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "step_floor", "fence_boundary_step_wrapt": "step_floor"}
 
 
 def over_unfenced(row: dict, yard: str) -> dict:

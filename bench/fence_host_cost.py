@@ -145,11 +145,16 @@ def parts_table(parts: dict, reps: int = 15, calls=lambda name: 500) -> None:
 
 def worker_of(epilogue, step, checked: bool = True):
     """A worker whose forward_batch_generation is `step` (self, batch) -> result, wrapped with
-    check_results as the plan wraps DSparkWorkerV2's (wrapt) where `checked`; its epilogue `epilogue`."""
-    import wrapt
+    check_results as the plan wraps DSparkWorkerV2's where `checked` (through the runtime's patching,
+    so bound as the check serves: wrapt's binding, or the kernel file's once its scan is bound); its
+    epilogue `epilogue`. Recorded for "bench", which the runtime's revert leaves alone."""
+    from sglang_dsv41_adapters.framework import patching
+    from sglang_dsv41_adapters.framework.plan import Patch
 
-    method = wrapt.FunctionWrapper(step, fence_boundary.check_results) if checked else step
-    return type("Worker", (), {"_verify_epilogue": epilogue, "forward_batch_generation": method})()
+    worker = type("Worker", (), {"_verify_epilogue": epilogue, "forward_batch_generation": step})
+    if checked:
+        patching.apply(Patch(worker, "forward_batch_generation", fence_boundary.check_results), "bench")
+    return worker()
 
 
 def folded_kwargs(bs: int) -> dict:

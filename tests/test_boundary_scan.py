@@ -377,6 +377,104 @@ def test_the_c_form_of_check_results_answers_as_the_python_form(epilogue, case):
                                               outcomes[0][1] == expected[1])
 
 
+def checked_class(step):
+    """A class whose forward_batch_generation is `step`, wrapped with check_results through the
+    runtime's patching, as the plan wraps DSparkWorkerV2's."""
+    from sglang_dsv41_adapters.framework import patching
+    from sglang_dsv41_adapters.framework.plan import Patch
+
+    cls = type("Worker", (Worker,), {"forward_batch_generation": step})
+    patching.apply(Patch(cls, "forward_batch_generation", fence_boundary.check_results), "folded_fence")
+    return cls
+
+
+def test_the_class_holds_the_c_check_itself_once_a_scan_is_bound_and_wrapts_binding_without_it(epilogue):
+    """Bound with wrapt until the scan serves, then as the kernel file's method (no wrapt hop, no
+    Python frame of the pack's); recorded as the patch's replacement, looked through as the engine's
+    own, reverted as before; wrapt's binding again when the Python walk is forced."""
+    import inspect
+    import wrapt
+    from sglang_dsv41_adapters.framework import patching
+    from sglang_dsv41_adapters.spectpsync import observation
+
+    def forward_batch_generation(self, batch, *, flag=None):
+        """The step."""
+        return decode_result(4)
+
+    cls = checked_class(forward_batch_generation)
+    try:
+        assert isinstance(vars(cls)["forward_batch_generation"], wrapt.FunctionWrapper)
+        through_worker(decode_result(4), epilogue)  # binds the scan, and with it the class's method
+        method = vars(cls)["forward_batch_generation"]
+        assert not isinstance(method, wrapt.FunctionWrapper) and type(method).__name__ == "boundary_checked_method"
+        assert method.__wrapped__ is forward_batch_generation and method.__code__ is forward_batch_generation.__code__
+        assert (method.__name__, method.__qualname__, method.__doc__, method.__module__) == (
+            "forward_batch_generation", forward_batch_generation.__qualname__, "The step.", __name__)
+        assert inspect.signature(method) == inspect.signature(forward_batch_generation)
+        assert cls.forward_batch_generation is method and cls(epilogue).forward_batch_generation.__self__ is not None
+        assert [s.replacement for s in patching.applied() if s.owner is cls] == [method]
+        assert observation.engine_defined(cls, "forward_batch_generation") is forward_batch_generation
+        fence_boundary.use_native(None)
+        assert isinstance(vars(cls)["forward_batch_generation"], wrapt.FunctionWrapper)
+        assert observation.engine_defined(cls, "forward_batch_generation") is forward_batch_generation
+    finally:
+        patching.revert(cls, "forward_batch_generation")
+    assert vars(cls)["forward_batch_generation"] is forward_batch_generation
+
+
+@pytest.mark.parametrize("case", ["kwargs", "positional", "called on the class", "no epilogue", "epilogue None",
+                                  "result None", "result is the epilogue", "wrapped raises",
+                                  "reading the epilogue raises", "no instance", "escape"])
+def test_the_c_method_answers_as_wrapts_binding_of_check_results(epilogue, case):
+    """The same call through the class's C method and through wrapt's binding of the Python form:
+    the same value (the very object, or a copy where a view of the epilogue leaves), the same error."""
+    from sglang_dsv41_adapters.framework import patching
+
+    result = decode_result(4)
+    returned = {"result None": None, "result is the epilogue": epilogue}.get(case, result)
+    seen = []
+
+    def step(self, batch, *more, flag=None):
+        seen.append((batch, more, flag))
+        if case == "wrapped raises":
+            raise ValueError("step failed")
+        return returned
+
+    cls = checked_class(step)
+    holder = {"no epilogue": None, "epilogue None": None}.get(case, epilogue)
+    worker = cls(holder, RuntimeError("epilogue gone") if case == "reading the epilogue raises" else None)
+    call = {"kwargs": lambda: worker.forward_batch_generation(None, flag=1),
+            "positional": lambda: worker.forward_batch_generation(None, 2, 3),
+            "called on the class": lambda: cls.forward_batch_generation(worker, None),
+            "no instance": lambda: cls.forward_batch_generation()}.get(case, lambda: worker.forward_batch_generation(None))
+    outcomes = []
+    try:
+        through_worker(decode_result(4), epilogue)  # binds the scan: the class now holds the C method
+        for native in (True, False):
+            assert (type(vars(cls)["forward_batch_generation"]).__name__ == "boundary_checked_method") is native
+            fence_boundary._said.clear()
+            if case == "escape":  # planted again: the first form copied it in place
+                result.accept_lens = epilogue.commit_lens_buf[:4]
+            try:
+                value = call()
+                outcomes.append(("value", value is returned, shares(value, epilogue) if value is not None else []))
+            except Exception as exc:  # noqa: BLE001 - compared between the forms
+                outcomes.append((type(exc), str(exc).replace("step()", "")))
+            outcomes.append(sorted(fence_boundary._said))
+            fence_boundary.use_native(None)  # wrapt's binding of the Python walk
+    finally:
+        patching.revert(cls, "forward_batch_generation")
+    assert outcomes[:2] == outcomes[2:], outcomes
+    assert case == "no instance" or seen[0] == seen[-1] == {"kwargs": (None, (), 1),
+                                                            "positional": (None, (2, 3), None)}.get(case, (None, (), None))
+    expected = {"wrapped raises": ValueError, "reading the epilogue raises": RuntimeError, "no instance": TypeError}
+    assert outcomes[0][0] is expected.get(case, "value") or outcomes[0][0] == expected.get(case, "value")
+    if case == "escape":
+        assert outcomes[0] == ("value", True, []) and outcomes[1], outcomes  # copied in place, its route said
+    elif outcomes[0][0] == "value":
+        assert outcomes[0][1] and outcomes[1] == []
+
+
 def profiled(result, epilogue) -> tuple:
     """(through_worker's answer, the Python functions it called, in order)."""
     called = []

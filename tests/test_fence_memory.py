@@ -19,6 +19,7 @@ the CPU: they are host code).
 from __future__ import annotations
 
 import gc
+import sys
 import types
 
 import pytest
@@ -367,3 +368,58 @@ def test_a_draft_model_below_the_epilogue_is_mapped_and_the_scan_still_serves(ch
     for view in (lambda e: e.commit_ctx.block_pos_offsets[:2], lambda e: e.commit_ctx.draft_model.weight[0].detach()):
         result, values = leave_worker(epilogue, view, 9)
         assert_copied(result, values, epilogue)
+
+
+# --- the trusted call in C ----------------------------------------------------------------------
+
+def pack_frames(call) -> tuple:
+    """(call's value, the pack's Python functions it ran, by name)."""
+    ran = []
+    sys.setprofile(lambda frame, event, arg: event == "call" and "sglang_dsv41_adapters" in frame.f_code.co_filename
+                   and ran.append(frame.f_code.co_name))
+    try:
+        return call(), ran
+    finally:
+        sys.setprofile(None)
+
+
+def test_a_trusted_call_is_the_libraries_where_it_tests_the_views_and_the_rest_the_forms(checks, verify):
+    """Once a batch size is trusted with the kernel file's C forms, the executor's class holds the
+    library's fenced_method: a trusted call runs no Python of the pack's and hands out the engine's
+    values in memory of its own; a batch size not trusted, the views tested in Python again and
+    a buffer re-pointed go to the Python form (which proves the last again). With the checks in Python, wrapt's binding stays. Reverting puts the engine's function back."""
+    import wrapt
+
+    dspark = build_dspark(verify)
+    cls, executor = verify.TargetVerifyExecutor, dspark.executor
+    original = vars(cls)["accept_and_finalize"]
+    form = next(p.wrapper for p in fence_on(None)[1].plans[folded_fence.NAME].patches if p.name == "accept_and_finalize")
+    assert isinstance(form, fence_forms.CheapForm)
+    written = lambda: [getattr(dspark.epilogue, name) for name in BUFFERS]  # noqa: E731
+    step = engine_then_fence(dspark, original, (1, 5), fence_forms.PROOF_CALLS + 2, written, 0)
+    bound = vars(cls)["accept_and_finalize"]
+    if checks == "python":
+        assert isinstance(bound, wrapt.FunctionWrapper)
+        return
+    assert type(bound).__name__ == "fenced_method" and bound.__wrapped__ is original
+    assert bound.__code__ is original.__code__ and bound.__name__ == "accept_and_finalize"
+    replay(written(), 7)
+    fenced, ran = pack_frames(lambda: executor.accept_and_finalize(**folded_kwargs(5, "cpu")))
+    engine = original(executor, **folded_kwargs(5, "cpu"))
+    assert ran == [] and all(torch.equal(getattr(fenced, name), getattr(engine, name)) for name in FIELDS)
+    assert not {getattr(fenced, name).untyped_storage().data_ptr() for name in FIELDS} & memory(dspark.epilogue)
+    _, ran = pack_frames(lambda: executor.accept_and_finalize(**folded_kwargs(9, "cpu")))  # not trusted yet
+    assert "__call__" in ran and "_engine_path" in ran
+    _, ran = pack_frames(lambda: cls.accept_and_finalize(executor, **folded_kwargs(1, "cpu")))  # on the class: as bound
+    assert ran == []
+    library = accept_snapshot.checks_library()
+    accept_snapshot.use_checks(None)  # the views tested in Python: the form serves every call
+    _, ran = pack_frames(lambda: executor.accept_and_finalize(**folded_kwargs(1, "cpu")))
+    assert "__call__" in ran and "_engine_path" not in ran
+    accept_snapshot.use_checks(library)
+    dspark.epilogue.commit_lens_buf.set_(torch.zeros_like(dspark.epilogue.commit_lens_buf))  # re-pointed in place
+    _, ran = pack_frames(lambda: executor.accept_and_finalize(**folded_kwargs(1, "cpu")))
+    assert "_engine_path" in ran and 1 not in form.trusted  # proven again on its new memory
+    engine_then_fence(dspark, original, (1, 5), fence_forms.PROOF_CALLS + 2, written, step)
+    runtime.revert()
+    assert vars(cls)["accept_and_finalize"] is original

@@ -83,6 +83,7 @@ _mode: Optional[tuple] = None  # copy_mode()'s answer once probed
 _kernel = None                 # the loaded library, when it can serve this GPU
 _enabled = True                # use_extension() (tests, benchmarks)
 _snapshot = None               # _kernel.snapshot while enabled: the hot path's one check
+_checks = None                 # the library whose views_check is `current` (use_checks)
 
 
 def kernel_path() -> str:
@@ -125,8 +126,15 @@ current = views_current  # the cheap form's test: the kernel library's C form on
 def use_checks(library) -> None:
     """Test the cheap form's views with `library`'s C form (a loaded kernel library; tests and
     benchmarks on the CPU, where no GPU loads one), or in Python (None)."""
-    global current
+    global current, _checks
     current = views_current if library is None else library.views_check()
+    _checks = library
+
+
+def checks_library():
+    """The kernel library whose C form tests the views now, or None (fence_forms: its trusted call
+    is then bound in C as well)."""
+    return _checks
 
 
 def detach(outs, fields):

@@ -26,8 +26,9 @@ Python walk would find no route and report nothing (the same kinds, layouts, bou
 skips), and "unsure" for anything it does not read exactly as the walk does (a type not
 met yet, a tensor subclass, a list, tuple or dict subclass that reads otherwise, a
 getattr that raises, a changed epilogue); the Python walk then runs as before. Once a scan
-is bound, the wrapper itself runs in C too (`boundary_check`): a clean step runs no Python
-of the pack's, and what is copied and said is the walk's alone.
+is bound, the wrapper itself runs in C too (`boundary_check`), and the worker's class holds
+it with the engine's function inside (`boundary_method`, in place of wrapt's binding): a clean
+step runs no Python of the pack's, and what is copied and said is the walk's alone.
 Which check serves is said once, at the first check on a GPU; on the CPU the Python walk
 serves and nothing is said.
 
@@ -39,12 +40,13 @@ from __future__ import annotations
 
 import functools
 import operator
+import types
 import weakref
 
 import torch
 
 from . import accept_snapshot, holders
-from ..framework import log, metrics
+from ..framework import log, metrics, patching
 
 MAX_DEPTH = 4      # the result's own fields are level 1: a view two objects down is level 3
 MAX_VALUES = 256   # tensors and holders looked at per step, at most (a DSpark decode result: about 15)
@@ -85,6 +87,7 @@ def use_native(library=_PROBE) -> None:
     library), None for the Python walk alone, or by default what the first check on a GPU finds."""
     global _native, _native_check
     _native, _native_check = library, None
+    patching.bind_faster(check_results)  # wrapt's binding again until a scan is bound
     _storages.clear()
 
 
@@ -335,7 +338,17 @@ def _forget(maps: dict, key: int, owner) -> None:
 def _serve_native(library) -> None:
     global _native_check
     if _native_check is None:  # reads this very map (never rebound: reset() clears it in place)
-        _native_check = library.boundary_check(_storages, _checked, EPILOGUE, _plans, _said_copy)
+        _native_check = check = library.boundary_check(_storages, _checked, EPILOGUE, _plans, _said_copy)
+        patching.bind_faster(check_results, functools.partial(_checked_method, library, check))
+
+
+def _checked_method(library, check, original):
+    """The worker's method with `check` in it (the kernel file's boundary_method: what wrapt's
+    binding of check_results does, without wrapt's hop and check_results' frame), for a plain
+    function; None for anything else, which wrapt binds."""
+    if type(original) is not types.FunctionType:
+        return None
+    return functools.update_wrapper(library.boundary_method(original, check), original)
 
 
 def detach_escapes(result, epilogue) -> tuple[object, list[str]]:

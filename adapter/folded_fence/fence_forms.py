@@ -36,11 +36,13 @@ import inspect
 import operator
 import os
 import sys
+import types
 from typing import Optional
 
 import torch
 
 from . import accept_snapshot, holders
+from ..framework import patching
 from .fence_boundary import persistent_storages, say_once
 
 PROOF_CALLS = 2  # folded calls per batch size that run the engine's path and are compared
@@ -142,7 +144,16 @@ class CheapForm:
             self.proofs[bs] = self.proofs.get(bs, 0) + 1
             if self.proofs[bs] >= PROOF_CALLS:
                 self.trusted.add(bs)
+                self._bind_in_c()
         return detach_shared(result, epilogue)
+
+    def _bind_in_c(self) -> None:
+        """Where the kernel library tests the views, the class holds its fenced_method: this form's
+        trusted call in C (no wrapt hop, no Python frame), which hands everything else to this form.
+        Kept for the form (one per checked engine), so applying it again binds it so at once."""
+        library = accept_snapshot.checks_library()
+        if library is not None:
+            patching.bind_faster(self, functools.partial(_fenced_method, library, self))
 
     def _difference(self, wrapped, calls: list, result, epilogue, views: list) -> Optional[str]:
         """Why the cheap form would not have done what the engine's path just did, or None."""
@@ -167,6 +178,13 @@ class CheapForm:
             if not same_view(getattr(result, name), view):
                 return f"the engine's {name} is not the view the cheap form copies"
         return None
+
+
+def _fenced_method(library, form: CheapForm, original):
+    """`original` (a plain function) with `form`'s trusted call in C; None for anything else, which wrapt binds."""
+    if type(original) is not types.FunctionType:
+        return None
+    return functools.update_wrapper(library.fenced_method(original, form, vars(accept_snapshot), library.snapshot), original)
 
 
 def takes_positionally(cls, fields: tuple) -> bool:

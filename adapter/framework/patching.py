@@ -5,7 +5,7 @@ change can be listed and reverted and none is made twice."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import wrapt
@@ -32,6 +32,9 @@ class Saved:
 # (id(owner), name) -> what was there before the pack; env name -> (adapter, value before or None)
 _saved: dict[tuple[int, str], Saved] = {}
 _saved_env: dict[str, tuple[str, Optional[str]]] = {}
+# wrapper -> make(original): an object that does what wrapt's binding of `wrapper` to `original`
+# does, at less cost per call, or None where it cannot stand in for that original
+_faster: dict = {}
 
 
 def key(owner, name: str) -> tuple[int, str]:
@@ -47,10 +50,34 @@ def apply(patch: Patch, adapter: str) -> bool:
             return False
         revert(patch.owner, patch.name)
     original = vars(patch.owner)[patch.name]  # the owner's own attribute: no binding, no inheritance
-    replacement = patch.proxy(original) if patch.proxy else wrapt.FunctionWrapper(original, patch.wrapper)  # signature and introspection survive
+    replacement = _binding(patch, original)
     setattr(patch.owner, patch.name, replacement)
     _saved[key(patch.owner, patch.name)] = Saved(adapter, patch, original, replacement)
     return True
+
+
+def _binding(patch: Patch, original):
+    if patch.proxy:
+        return patch.proxy(original)
+    make = _faster.get(patch.wrapper)
+    faster = make(original) if make is not None else None
+    # wrapt's: signature and introspection survive
+    return faster if faster is not None else wrapt.FunctionWrapper(original, patch.wrapper)
+
+
+def bind_faster(wrapper, make=None) -> None:
+    """From now on, bind `wrapper` as make(original) wherever that gives an object (None: wrapt's
+    binding again), the bindings already made included. A binding something else replaced since
+    is left to the audit; each stays recorded and reverts as before."""
+    if make is None:
+        _faster.pop(wrapper, None)
+    else:
+        _faster[wrapper] = make
+    for saved in list(_saved.values()):
+        if saved.patch.wrapper is wrapper and not saved.patch.proxy and vars(saved.owner).get(saved.name) is saved.replacement:
+            replacement = _binding(saved.patch, saved.original)
+            setattr(saved.owner, saved.name, replacement)
+            _saved[key(saved.owner, saved.name)] = replace(saved, replacement=replacement)
 
 
 def revert(owner, name: str) -> bool:

@@ -9,9 +9,12 @@
 //   would find no route and report nothing; False (unsure) for anything it does not read exactly as
 //   that walk does, which then runs the walk;
 // - `boundary_check(...)`: fence_boundary.check_results in C over those scans (and its copy of a
-//   find whose keys a Python copy found);
+//   find whose keys a Python copy found), and `boundary_method(...)`: the worker's method with
+//   that check in it, which the class holds in place of wrapt's binding once the check serves;
 // - `report_sync(...)`: tp_divergence's wrapper of SpecTpSync.sync in C (its common eager call);
-// - `views_check()`: the cheap form's per-call test of its cached views (views_current).
+// - `views_check()`: the cheap form's per-call test of its cached views (views_current), and
+//   `fenced_method(...)`: accept_and_finalize with the cheap form's trusted call in it, which the
+//   class holds in place of wrapt's binding once a batch size is trusted.
 // Each hands its Python form what it does not do itself.
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -907,16 +910,11 @@ bool copied_by_plan(BoundaryCheck& c, PyObject* found) {
   return same;
 }
 
-PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  auto* c = static_cast<BoundaryCheck*>(PyCapsule_GetPointer(self, kCheckCapsule));
-  if (c == nullptr) return nullptr;
-  if (nargs != 4 || !PyTuple_Check(args[2]) || (args[3] != Py_None && !PyDict_Check(args[3]))) {
-    PyErr_SetString(PyExc_TypeError, "check(wrapped, instance, args: tuple, kwargs: dict or None)");
-    return nullptr;
-  }
-  PyObject* result = PyObject_Call(args[0], args[2], args[3] == Py_None ? nullptr : args[3]);
-  if (result == nullptr) return nullptr;
-  PyObject* epilogue = PyObject_GetAttr(args[1], c->name);
+// The rest of a check once the wrapped call returned `result` (a new reference, consumed) for
+// `instance`: the result itself where there is nothing to check or the scan says clean, else
+// what the Python form's rest makes of it.
+PyObject* checked_result(BoundaryCheck& c, PyObject* instance, PyObject* result) {
+  PyObject* epilogue = PyObject_GetAttr(instance, c.name);
   if (epilogue == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
       Py_DECREF(result);
@@ -929,26 +927,129 @@ PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     Py_DECREF(epilogue);
     return result;
   }
-  PyObject* scan = bound_scan(*c, epilogue);
+  PyObject* scan = bound_scan(c, epilogue);
   if (PyErr_Occurred()) PyErr_Clear();
   PyObject* found = scan == nullptr ? Py_NewRef(Py_False)
       : scan_result(*static_cast<BoundaryScan*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(scan), kScanCapsule)),
                     result, epilogue);
   Py_XDECREF(scan);
-  if (found == Py_True || copied_by_plan(*c, found)) {
+  if (found == Py_True || copied_by_plan(c, found)) {
     Py_DECREF(found);
     Py_DECREF(epilogue);
     return result;
   }
-  PyObject* out = PyObject_CallFunctionObjArgs(c->checked, result, epilogue, found, nullptr);
+  PyObject* out = PyObject_CallFunctionObjArgs(c.checked, result, epilogue, found, nullptr);
   Py_DECREF(found);
   Py_DECREF(result);
   Py_DECREF(epilogue);
   return out;
 }
 
+PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* c = static_cast<BoundaryCheck*>(PyCapsule_GetPointer(self, kCheckCapsule));
+  if (c == nullptr) return nullptr;
+  if (nargs != 4 || !PyTuple_Check(args[2]) || (args[3] != Py_None && !PyDict_Check(args[3]))) {
+    PyErr_SetString(PyExc_TypeError, "check(wrapped, instance, args: tuple, kwargs: dict or None)");
+    return nullptr;
+  }
+  PyObject* result = PyObject_Call(args[0], args[2], args[3] == Py_None ? nullptr : args[3]);
+  return result == nullptr ? nullptr : checked_result(*c, args[1], result);
+}
+
 PyMethodDef kCheckMethod = {"boundary_check", (PyCFunction)(void (*)(void))check_call, METH_FASTCALL,
                             "check(wrapped, instance, args, kwargs) -> the wrapped call's result, checked"};
+
+// The worker's method with the check in it, as the class holds it once the check serves in C
+// (fence_boundary binds it through adapter.framework.patching): the engine's function called with
+// the very arguments the caller passed (vectorcall, nothing packed), then checked_result. wrapt's
+// binding made a bound wrapper, an args tuple, a kwargs dict and a Python frame at every step for
+// the same call (about 1 us of the step's host time). A method descriptor as a function is: bound
+// on an instance (CPython then calls it with the instance first, without binding), itself on the
+// class; any attribute it has not got is the function's (its code, globals, defaults), as wrapt's
+// proxy reads it, and its __dict__ holds what functools.update_wrapper copies (__wrapped__ too).
+struct BoundaryMethod {
+  PyObject_HEAD
+  PyObject* original;  // the engine's function
+  PyObject* check;     // boundary_check's callable: its capsule holds the check's state
+  PyObject* dict;
+  vectorcallfunc vectorcall;
+};
+
+PyObject* method_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* m = reinterpret_cast<BoundaryMethod*>(self);
+  PyObject* result = PyObject_Vectorcall(m->original, args, nargsf, kwnames);
+  if (result == nullptr || PyVectorcall_NARGS(nargsf) < 1) return result;  // no instance: as the function answers
+  auto* c = static_cast<BoundaryCheck*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(m->check), kCheckCapsule));
+  if (c == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  return checked_result(*c, args[0], result);
+}
+
+PyObject* method_get(PyObject* self, PyObject* instance, PyObject*) {
+  if (instance == nullptr || instance == Py_None) return Py_NewRef(self);
+  return PyMethod_New(self, instance);
+}
+
+PyObject* method_getattro(PyObject* self, PyObject* name) {
+  PyObject* found = PyObject_GenericGetAttr(self, name);
+  if (found != nullptr || !PyErr_ExceptionMatches(PyExc_AttributeError)) return found;
+  PyErr_Clear();
+  return PyObject_GetAttr(reinterpret_cast<BoundaryMethod*>(self)->original, name);
+}
+
+int method_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* m = reinterpret_cast<BoundaryMethod*>(self);
+  Py_VISIT(m->original);
+  Py_VISIT(m->check);
+  Py_VISIT(m->dict);
+  return 0;
+}
+
+int method_clear(PyObject* self) {
+  auto* m = reinterpret_cast<BoundaryMethod*>(self);
+  Py_CLEAR(m->original);
+  Py_CLEAR(m->check);
+  Py_CLEAR(m->dict);
+  return 0;
+}
+
+void method_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  method_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* method_repr(PyObject* self) {
+  return PyUnicode_FromFormat("<boundary-checked %R>", reinterpret_cast<BoundaryMethod*>(self)->original);
+}
+
+PyTypeObject kMethodType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyTypeObject* method_type() {
+  static bool ready = false;
+  if (!ready) {
+    PyTypeObject& t = kMethodType;
+    t.tp_name = "sglang_adapters.boundary_checked_method";
+    t.tp_basicsize = sizeof(BoundaryMethod);
+    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL;
+    t.tp_doc = "a worker method whose results the fence's boundary check compares with the epilogue's memory";
+    t.tp_vectorcall_offset = offsetof(BoundaryMethod, vectorcall);
+    t.tp_dictoffset = offsetof(BoundaryMethod, dict);
+    t.tp_call = PyVectorcall_Call;
+    t.tp_descr_get = method_get;
+    t.tp_getattro = method_getattro;
+    t.tp_setattro = PyObject_GenericSetAttr;
+    t.tp_traverse = method_traverse;
+    t.tp_clear = method_clear;
+    t.tp_dealloc = method_dealloc;
+    t.tp_repr = method_repr;
+    if (PyType_Ready(&t) != 0) return nullptr;
+    ready = true;
+  }
+  return &kMethodType;
+}
 
 // fence_forms' trusted cheap form, at each call: views_check()(cached, live, was) is True where
 // each buffer the epilogue holds now (`live`) is the very object its views were cut from
@@ -1172,6 +1273,254 @@ PyObject* report_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 
 PyMethodDef kReportMethod = {"report_sync", (PyCFunction)(void (*)(void))report_call, METH_FASTCALL,
                              "around_sync(wrapped, instance, args, kwargs) -> what SpecTpSync.sync returns, counted"};
+
+// fence_forms.CheapForm's trusted call in C: TargetVerifyExecutor.accept_and_finalize as the class
+// holds it once a batch size is trusted where this library tests the views (fence_forms binds it
+// through adapter.framework.patching). A folded call at a trusted batch size whose every check
+// holds as CheapForm.__call__ checks it (the form's state read from its __dict__ at each call,
+// accept_snapshot's switches from its module dict) is served here: note_static_verify(bs) where
+// the form says so, snapshot() of the cached views, the AcceptOuts built as the form builds it.
+// Anything else, and whatever cannot be read exactly so, is the Python form's:
+// form(the bound function, instance, args, kwargs), as wrapt's binding would call it. Nothing the
+// engine can see runs before this decides, so handing over is always possible.
+struct FencedMethod {
+  PyObject_HEAD
+  PyObject* original;  // the engine's function
+  PyObject* form;      // the CheapForm
+  PyObject* state;     // its __dict__
+  PyObject* module;    // accept_snapshot's module dict
+  PyObject* snapshot;  // this library's snapshot: accept_snapshot._snapshot while it serves
+  PyObject* dict;
+  vectorcallfunc vectorcall;
+};
+
+struct FenceNames {
+  PyObject *folded_accept, *bs, *trusted, *context, *views, *read, *read_globals, *accept_outs, *buffers, *notes,
+      *positional, *fields, *verify_epilogue, *read_accept, *dict, *AcceptOuts, *note_static_verify, *current,
+      *snapshot, *mode;
+};
+
+const FenceNames& fence_names() {
+  static const FenceNames made{interned("folded_accept"), interned("bs"), interned("trusted"), interned("context"),
+                               interned("views"), interned("read"), interned("read_globals"), interned("accept_outs"),
+                               interned("buffers"), interned("notes"), interned("positional"), interned("fields"),
+                               interned("verify_epilogue"), interned("read_accept"), interned("__dict__"),
+                               interned("AcceptOuts"), interned("note_static_verify"), interned("current"),
+                               interned("_snapshot"), interned("_mode")};
+  return made;
+}
+
+// The keyword `name`'s value among a vectorcall's (borrowed), or nullptr.
+PyObject* keyword(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, PyObject* name) {
+  if (kwnames == nullptr) return nullptr;
+  const Py_ssize_t n = PyTuple_GET_SIZE(kwnames);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyTuple_GET_ITEM(kwnames, i) == name) return args[nargs + i];
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {  // not interned by the caller: compared by value
+    if (PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, i), name) == 0) return args[nargs + i];
+  }
+  return nullptr;
+}
+
+// Owned references taken for the trusted call: the form's state may change under any Python it runs.
+struct Held {
+  std::vector<PyObject*> refs;
+  PyObject* operator()(PyObject* o) {
+    if (o != nullptr) refs.push_back(Py_NewRef(o));
+    return o;
+  }
+  ~Held() {
+    for (PyObject* o : refs) Py_DECREF(o);
+  }
+};
+
+// The trusted call's result (a new reference), or nullptr: with `served` false where the Python form
+// must decide (any error of the checks cleared: the form meets it again, or not, by its own reads),
+// with `served` true where note_static_verify, the copy or AcceptOuts raised (as they raise out of
+// the Python form).
+PyObject* trusted_call(FencedMethod& m, PyObject* instance, PyObject* bs, bool& served) {
+  const FenceNames& k = fence_names();
+  Held held;
+  auto item = [&](PyObject* d, PyObject* key) { return held(PyDict_GetItemWithError(d, key)); };
+  PyObject* trusted = item(m.state, k.trusted);
+  if (trusted == nullptr || !PyAnySet_CheckExact(trusted) || PySet_Contains(trusted, bs) != 1) return nullptr;
+  PyObject* context = item(m.state, k.context);
+  PyObject* cached = item(m.state, k.views);
+  PyObject* read = item(m.state, k.read);
+  PyObject* read_globals = item(m.state, k.read_globals);
+  PyObject* accept_outs = item(m.state, k.accept_outs);
+  PyObject* getter = item(m.state, k.buffers);
+  PyObject* notes = item(m.state, k.notes);
+  PyObject* positional = item(m.state, k.positional);
+  PyObject* fields = item(m.state, k.fields);
+  PyObject* current = item(m.module, k.current);
+  PyObject* serving = item(m.module, k.snapshot);
+  PyObject* mode = item(m.module, k.mode);
+  if (context == nullptr || !PyTuple_CheckExact(context) || PyTuple_GET_SIZE(context) != 3 || cached == nullptr ||
+      !PyDict_CheckExact(cached) || read == nullptr || !PyFunction_Check(read) || read_globals == nullptr ||
+      !PyDict_CheckExact(read_globals) || accept_outs == nullptr || getter == nullptr || notes == nullptr ||
+      positional == nullptr || fields == nullptr || !PyTuple_CheckExact(fields) || current == nullptr ||
+      !PyCFunction_Check(current) || PyCFunction_GET_FUNCTION(current) != (PyCFunction)(void (*)(void))views_call) {
+    return nullptr;  // the views tested in Python (use_checks(None)), or a state not read here
+  }
+  PyObject* entry = item(cached, bs);
+  if (entry == nullptr || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3) return nullptr;
+  PyObject *buffers = PyTuple_GET_ITEM(entry, 0), *views = PyTuple_GET_ITEM(entry, 1), *was = PyTuple_GET_ITEM(entry, 2);
+  const Py_ssize_t n = PyList_CheckExact(views) ? PyList_GET_SIZE(views) : -1;
+  if (n < 1 || PyTuple_GET_SIZE(fields) != n) return nullptr;
+  std::vector<at::Tensor> srcs;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* view = PyList_GET_ITEM(views, i);
+    if (!THPVariable_Check(view)) return nullptr;
+    srcs.push_back(THPVariable_Unpack(view));
+  }
+  if (srcs[0].is_cuda() && (mode == nullptr || mode == Py_None || serving != m.snapshot)) return nullptr;
+  // The form's checks, in its order: its epilogue, the executor's class, read_accept as the class and
+  // the instance give it, the AcceptOuts read_accept builds, the buffers over the memory cut from.
+  PyObject* epilogue = PyObject_GetAttr(instance, k.verify_epilogue);
+  if (epilogue == nullptr) return nullptr;
+  held.refs.push_back(epilogue);
+  PyTypeObject* kind = Py_TYPE(epilogue);
+  if (epilogue != PyTuple_GET_ITEM(context, 1) || (PyObject*)Py_TYPE(instance) != PyTuple_GET_ITEM(context, 0) ||
+      Py_TYPE(kind) != &PyType_Type || _PyType_Lookup(kind, k.read_accept) != read) {
+    return nullptr;  // a metaclass may answer type(epilogue).read_accept otherwise: the form decides
+  }
+  PyObject* own = PyObject_GetAttr(epilogue, k.dict);
+  if (own == nullptr) return nullptr;
+  held.refs.push_back(own);
+  if (!PyDict_CheckExact(own) || PyDict_Contains(own, k.read_accept) != 0) return nullptr;
+  if (item(read_globals, k.AcceptOuts) != accept_outs) return nullptr;
+  PyObject* live = PyObject_CallOneArg(getter, epilogue);
+  if (live == nullptr) return nullptr;
+  held.refs.push_back(live);
+  PyObject* check[3] = {buffers, live, was};
+  PyObject* same = views_call(nullptr, check, 3);
+  Py_XDECREF(same);
+  if (same != Py_True) return nullptr;
+  // Trusted: what CheapForm.__call__ does from here, errors and all.
+  served = true;
+  const int note = PyObject_IsTrue(notes);
+  if (note < 0) return nullptr;
+  if (note == 1) {
+    PyObject* noted = PyObject_CallMethodOneArg(epilogue, k.note_static_verify, bs);
+    if (noted == nullptr) return nullptr;
+    Py_DECREF(noted);
+  }
+  std::vector<at::Tensor> copies;
+  try {
+    copies = snapshot(srcs);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  std::vector<PyObject*> out;
+  for (auto& t : copies) {
+    PyObject* wrapped = THPVariable_Wrap(std::move(t));
+    if (wrapped == nullptr) {
+      for (PyObject* o : out) Py_DECREF(o);
+      return nullptr;
+    }
+    out.push_back(wrapped);
+  }
+  const int by_position = PyObject_IsTrue(positional);
+  PyObject* result = by_position < 0 ? nullptr
+      : by_position == 1 ? PyObject_Vectorcall(accept_outs, out.data(), out.size(), nullptr)
+                         : PyObject_Vectorcall(accept_outs, out.data(), 0, fields);
+  for (PyObject* o : out) Py_DECREF(o);
+  return result;
+}
+
+PyObject* fenced_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* m = reinterpret_cast<FencedMethod*>(self);
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs < 1) return PyObject_Vectorcall(m->original, args, nargsf, kwnames);  // as the function answers
+  const FenceNames& k = fence_names();
+  PyObject* folded = keyword(args, nargs, kwnames, k.folded_accept);
+  PyObject* bs = keyword(args, nargs, kwnames, k.bs);
+  if (nargs == 1 && folded != nullptr && bs != nullptr) {
+    const int on = PyObject_IsTrue(folded);
+    if (on < 0) return nullptr;  // as kwargs.get("folded_accept") raises it
+    if (on == 1) {
+      bool served = false;
+      PyObject* result = trusted_call(*m, args[0], bs, served);
+      if (result != nullptr || served) return result;
+      PyErr_Clear();
+    }
+  }
+  // The Python form, called as wrapt's binding calls it.
+  PyObject* bound = PyMethod_New(m->original, args[0]);
+  PyObject* rest = PyTuple_New(nargs - 1);
+  PyObject* kwargs = PyDict_New();
+  PyObject* result = nullptr;
+  if (bound != nullptr && rest != nullptr && kwargs != nullptr) {
+    for (Py_ssize_t i = 1; i < nargs; ++i) PyTuple_SET_ITEM(rest, i - 1, Py_NewRef(args[i]));
+    bool ok = true;
+    for (Py_ssize_t i = 0; kwnames != nullptr && ok && i < PyTuple_GET_SIZE(kwnames); ++i) {
+      ok = PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) == 0;
+    }
+    if (ok) result = PyObject_CallFunctionObjArgs(m->form, bound, args[0], rest, kwargs, nullptr);
+  }
+  Py_XDECREF(bound);
+  Py_XDECREF(rest);
+  Py_XDECREF(kwargs);
+  return result;
+}
+
+int fenced_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* m = reinterpret_cast<FencedMethod*>(self);
+  for (PyObject* o : {m->original, m->form, m->state, m->module, m->snapshot, m->dict}) Py_VISIT(o);
+  return 0;
+}
+
+int fenced_clear(PyObject* self) {
+  auto* m = reinterpret_cast<FencedMethod*>(self);
+  for (PyObject** o : {&m->original, &m->form, &m->state, &m->module, &m->snapshot, &m->dict}) Py_CLEAR(*o);
+  return 0;
+}
+
+void fenced_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  fenced_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* fenced_getattro(PyObject* self, PyObject* name) {
+  PyObject* found = PyObject_GenericGetAttr(self, name);
+  if (found != nullptr || !PyErr_ExceptionMatches(PyExc_AttributeError)) return found;
+  PyErr_Clear();
+  return PyObject_GetAttr(reinterpret_cast<FencedMethod*>(self)->original, name);
+}
+
+PyObject* fenced_repr(PyObject* self) {
+  return PyUnicode_FromFormat("<fenced %R>", reinterpret_cast<FencedMethod*>(self)->original);
+}
+
+PyTypeObject kFencedType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyTypeObject* fenced_type() {
+  static bool ready = false;
+  if (!ready) {
+    PyTypeObject& t = kFencedType;
+    t.tp_name = "sglang_adapters.fenced_method";
+    t.tp_basicsize = sizeof(FencedMethod);
+    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL;
+    t.tp_doc = "accept_and_finalize with the fence's trusted cheap form in it";
+    t.tp_vectorcall_offset = offsetof(FencedMethod, vectorcall);
+    t.tp_dictoffset = offsetof(FencedMethod, dict);
+    t.tp_call = PyVectorcall_Call;
+    t.tp_descr_get = method_get;
+    t.tp_getattro = fenced_getattro;
+    t.tp_setattro = PyObject_GenericSetAttr;
+    t.tp_traverse = fenced_traverse;
+    t.tp_clear = fenced_clear;
+    t.tp_dealloc = fenced_dealloc;
+    t.tp_repr = fenced_repr;
+    if (PyType_Ready(&t) != 0) return nullptr;
+    ready = true;
+  }
+  return &kFencedType;
+}
 }  // namespace
 
 pybind11::object boundary_check(pybind11::dict storages, pybind11::object checked, pybind11::str name,
@@ -1179,6 +1528,46 @@ pybind11::object boundary_check(pybind11::dict storages, pybind11::object checke
   auto* c = new BoundaryCheck{storages.inc_ref().ptr(), checked.inc_ref().ptr(), name.inc_ref().ptr(),
                               plans.inc_ref().ptr(), said.inc_ref().ptr()};
   return bound_function(c, kCheckCapsule, &kCheckMethod);
+}
+
+pybind11::object boundary_method(pybind11::function original, pybind11::object check) {
+  TORCH_CHECK(PyFunction_Check(original.ptr()), "boundary_method: original must be a plain function");
+  TORCH_CHECK(PyCFunction_Check(check.ptr()) &&
+                  PyCFunction_GET_FUNCTION(check.ptr()) == (PyCFunction)(void (*)(void))check_call,
+              "boundary_method: check must be what boundary_check returned");
+  PyTypeObject* type = method_type();
+  if (type == nullptr) throw pybind11::error_already_set();
+  auto* m = PyObject_GC_New(BoundaryMethod, type);
+  if (m == nullptr) throw pybind11::error_already_set();
+  m->original = original.inc_ref().ptr();
+  m->check = check.inc_ref().ptr();
+  m->dict = nullptr;
+  m->vectorcall = method_vectorcall;
+  PyObject_GC_Track(m);
+  return pybind11::reinterpret_steal<pybind11::object>(reinterpret_cast<PyObject*>(m));
+}
+
+pybind11::object fenced_method(pybind11::function original, pybind11::object form, pybind11::dict module,
+                               pybind11::object snapshot_function) {
+  TORCH_CHECK(PyFunction_Check(original.ptr()), "fenced_method: original must be a plain function");
+  fence_names();  // the names its calls read, made here where a failure may raise
+  PyObject* state = PyObject_GenericGetDict(form.ptr(), nullptr);
+  if (state == nullptr) throw pybind11::error_already_set();
+  PyTypeObject* type = fenced_type();
+  auto* m = type == nullptr ? nullptr : PyObject_GC_New(FencedMethod, type);
+  if (m == nullptr) {
+    Py_DECREF(state);
+    throw pybind11::error_already_set();
+  }
+  m->original = original.inc_ref().ptr();
+  m->form = form.inc_ref().ptr();
+  m->state = state;
+  m->module = module.inc_ref().ptr();
+  m->snapshot = snapshot_function.inc_ref().ptr();
+  m->dict = nullptr;
+  m->vectorcall = fenced_vectorcall;
+  PyObject_GC_Track(m);
+  return pybind11::reinterpret_steal<pybind11::object>(reinterpret_cast<PyObject*>(m));
 }
 
 pybind11::object views_check() {
@@ -1260,6 +1649,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_copy", dense_copy, "dense_copy");
   m.def("boundary_scan", boundary_scan, "boundary_scan");
   m.def("boundary_check", boundary_check, "boundary_check");
+  m.def("boundary_method", boundary_method, "boundary_method");
+  m.def("fenced_method", fenced_method, "fenced_method");
   m.def("report_sync", report_sync, "report_sync");
   m.def("views_check", views_check, "views_check");
 }
