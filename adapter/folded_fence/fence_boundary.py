@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import types
 import weakref
 
 import torch
@@ -339,16 +338,9 @@ def _serve_native(library) -> None:
     global _native_check
     if _native_check is None:  # reads this very map (never rebound: reset() clears it in place)
         _native_check = check = library.boundary_check(_storages, _checked, EPILOGUE, _plans, _said_copy)
-        patching.bind_faster(check_results, functools.partial(_checked_method, library, check))
-
-
-def _checked_method(library, check, original):
-    """The worker's method with `check` in it (the kernel file's boundary_method: what wrapt's
-    binding of check_results does, without wrapt's hop and check_results' frame), for a plain
-    function; None for anything else, which wrapt binds."""
-    if type(original) is not types.FunctionType:
-        return None
-    return functools.update_wrapper(library.boundary_method(original, check), original)
+        # the worker's method with that check in it: what wrapt's binding of check_results does,
+        # without wrapt's hop and check_results' frame
+        patching.bind_faster(check_results, patching.for_functions(lambda original: library.boundary_method(original, check)))
 
 
 def detach_escapes(result, epilogue) -> tuple[object, list[str]]:

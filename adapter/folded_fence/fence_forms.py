@@ -36,7 +36,6 @@ import inspect
 import operator
 import os
 import sys
-import types
 from typing import Optional
 
 import torch
@@ -153,7 +152,8 @@ class CheapForm:
         Kept for the form (one per checked engine), so applying it again binds it so at once."""
         library = accept_snapshot.checks_library()
         if library is not None:
-            patching.bind_faster(self, functools.partial(_fenced_method, library, self))
+            patching.bind_faster(self, patching.for_functions(
+                lambda original: library.fenced_method(original, self, vars(accept_snapshot), library.snapshot)))
 
     def _difference(self, wrapped, calls: list, result, epilogue, views: list) -> Optional[str]:
         """Why the cheap form would not have done what the engine's path just did, or None."""
@@ -178,13 +178,6 @@ class CheapForm:
             if not same_view(getattr(result, name), view):
                 return f"the engine's {name} is not the view the cheap form copies"
         return None
-
-
-def _fenced_method(library, form: CheapForm, original):
-    """`original` (a plain function) with `form`'s trusted call in C; None for anything else, which wrapt binds."""
-    if type(original) is not types.FunctionType:
-        return None
-    return functools.update_wrapper(library.fenced_method(original, form, vars(accept_snapshot), library.snapshot), original)
 
 
 def takes_positionally(cls, fields: tuple) -> bool:

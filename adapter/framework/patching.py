@@ -4,7 +4,9 @@ change can be listed and reverted and none is made twice."""
 
 from __future__ import annotations
 
+import functools
 import os
+import types
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -63,6 +65,16 @@ def _binding(patch: Patch, original):
     faster = make(original) if make is not None else None
     # wrapt's: signature and introspection survive
     return faster if faster is not None else wrapt.FunctionWrapper(original, patch.wrapper)
+
+
+def for_functions(build):
+    """A `make` for bind_faster: build(original) dressed as `original` (functools.update_wrapper:
+    name, doc, __wrapped__) where `original` is a plain function; None for anything else."""
+    def make(original):
+        if type(original) is not types.FunctionType:
+            return None
+        return functools.update_wrapper(build(original), original)
+    return make
 
 
 def bind_faster(wrapper, make=None) -> None:
