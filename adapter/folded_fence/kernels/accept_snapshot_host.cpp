@@ -959,33 +959,24 @@ PyObject* check_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef kCheckMethod = {"boundary_check", (PyCFunction)(void (*)(void))check_call, METH_FASTCALL,
                             "check(wrapped, instance, args, kwargs) -> the wrapped call's result, checked"};
 
-// The worker's method with the check in it, as the class holds it once the check serves in C
-// (fence_boundary binds it through adapter.framework.patching): the engine's function called with
-// the very arguments the caller passed (vectorcall, nothing packed), then checked_result. wrapt's
-// binding made a bound wrapper, an args tuple, a kwargs dict and a Python frame at every step for
-// the same call (about 1 us of the step's host time). A method descriptor as a function is: bound
-// on an instance (CPython then calls it with the instance first, without binding), itself on the
-// class; any attribute it has not got is the function's (its code, globals, defaults), as wrapt's
-// proxy reads it, and its __dict__ holds what functools.update_wrapper copies (__wrapped__ too).
-struct BoundaryMethod {
+// The kernel file's method objects, each standing in for an engine function (`original`) as wrapt's
+// binding of a Python form would, and cheaper: the class holds one once it serves (adapter.framework.
+// patching.bind_faster). A method descriptor as a function is: bound on an instance (CPython then
+// calls it with the instance first, without binding), itself on the class; any attribute it has not
+// got is the function's (its code, globals, defaults), as wrapt's proxy reads it, and its __dict__
+// holds what functools.update_wrapper copies (__wrapped__ too). wrapt's binding made a bound wrapper,
+// an args tuple, a kwargs dict and a Python frame at every step for the same call (about 1 us of the
+// step's host time each). Two kinds: boundary_method and fenced_method (below).
+struct NativeMethod {
   PyObject_HEAD
   PyObject* original;  // the engine's function
-  PyObject* check;     // boundary_check's callable: its capsule holds the check's state
+  PyObject* inner;     // boundary_method: boundary_check's callable; fenced_method: the CheapForm
+  PyObject* state;     // fenced_method: the form's __dict__
+  PyObject* module;    // fenced_method: accept_snapshot's module dict
+  PyObject* snapshot;  // fenced_method: this library's snapshot (accept_snapshot._snapshot while it serves)
   PyObject* dict;
   vectorcallfunc vectorcall;
 };
-
-PyObject* method_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  auto* m = reinterpret_cast<BoundaryMethod*>(self);
-  PyObject* result = PyObject_Vectorcall(m->original, args, nargsf, kwnames);
-  if (result == nullptr || PyVectorcall_NARGS(nargsf) < 1) return result;  // no instance: as the function answers
-  auto* c = static_cast<BoundaryCheck*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(m->check), kCheckCapsule));
-  if (c == nullptr) {
-    Py_DECREF(result);
-    return nullptr;
-  }
-  return checked_result(*c, args[0], result);
-}
 
 PyObject* method_get(PyObject* self, PyObject* instance, PyObject*) {
   if (instance == nullptr || instance == Py_None) return Py_NewRef(self);
@@ -996,22 +987,18 @@ PyObject* method_getattro(PyObject* self, PyObject* name) {
   PyObject* found = PyObject_GenericGetAttr(self, name);
   if (found != nullptr || !PyErr_ExceptionMatches(PyExc_AttributeError)) return found;
   PyErr_Clear();
-  return PyObject_GetAttr(reinterpret_cast<BoundaryMethod*>(self)->original, name);
+  return PyObject_GetAttr(reinterpret_cast<NativeMethod*>(self)->original, name);
 }
 
 int method_traverse(PyObject* self, visitproc visit, void* arg) {
-  auto* m = reinterpret_cast<BoundaryMethod*>(self);
-  Py_VISIT(m->original);
-  Py_VISIT(m->check);
-  Py_VISIT(m->dict);
+  auto* m = reinterpret_cast<NativeMethod*>(self);
+  for (PyObject* o : {m->original, m->inner, m->state, m->module, m->snapshot, m->dict}) Py_VISIT(o);
   return 0;
 }
 
 int method_clear(PyObject* self) {
-  auto* m = reinterpret_cast<BoundaryMethod*>(self);
-  Py_CLEAR(m->original);
-  Py_CLEAR(m->check);
-  Py_CLEAR(m->dict);
+  auto* m = reinterpret_cast<NativeMethod*>(self);
+  for (PyObject** o : {&m->original, &m->inner, &m->state, &m->module, &m->snapshot, &m->dict}) Py_CLEAR(*o);
   return 0;
 }
 
@@ -1022,34 +1009,57 @@ void method_dealloc(PyObject* self) {
 }
 
 PyObject* method_repr(PyObject* self) {
-  return PyUnicode_FromFormat("<boundary-checked %R>", reinterpret_cast<BoundaryMethod*>(self)->original);
+  return PyUnicode_FromFormat("<%s %R>", Py_TYPE(self)->tp_name, reinterpret_cast<NativeMethod*>(self)->original);
 }
 
-PyTypeObject kMethodType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+// The type `t`, made ready once (nullptr where that failed, an error set).
+PyTypeObject* method_type(PyTypeObject& t, const char* name, const char* doc) {
+  if (t.tp_flags & Py_TPFLAGS_READY) return &t;
+  t.tp_name = name;
+  t.tp_basicsize = sizeof(NativeMethod);
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_doc = doc;
+  t.tp_vectorcall_offset = offsetof(NativeMethod, vectorcall);
+  t.tp_dictoffset = offsetof(NativeMethod, dict);
+  t.tp_call = PyVectorcall_Call;
+  t.tp_descr_get = method_get;
+  t.tp_getattro = method_getattro;
+  t.tp_setattro = PyObject_GenericSetAttr;
+  t.tp_traverse = method_traverse;
+  t.tp_clear = method_clear;
+  t.tp_dealloc = method_dealloc;
+  t.tp_repr = method_repr;
+  return PyType_Ready(&t) == 0 ? &t : nullptr;
+}
 
-PyTypeObject* method_type() {
-  static bool ready = false;
-  if (!ready) {
-    PyTypeObject& t = kMethodType;
-    t.tp_name = "sglang_adapters.boundary_checked_method";
-    t.tp_basicsize = sizeof(BoundaryMethod);
-    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL;
-    t.tp_doc = "a worker method whose results the fence's boundary check compares with the epilogue's memory";
-    t.tp_vectorcall_offset = offsetof(BoundaryMethod, vectorcall);
-    t.tp_dictoffset = offsetof(BoundaryMethod, dict);
-    t.tp_call = PyVectorcall_Call;
-    t.tp_descr_get = method_get;
-    t.tp_getattro = method_getattro;
-    t.tp_setattro = PyObject_GenericSetAttr;
-    t.tp_traverse = method_traverse;
-    t.tp_clear = method_clear;
-    t.tp_dealloc = method_dealloc;
-    t.tp_repr = method_repr;
-    if (PyType_Ready(&t) != 0) return nullptr;
-    ready = true;
+// A new method of type `t` (ready) standing in for `original`, called through `call`; the rest unset.
+NativeMethod* new_method(PyTypeObject* t, PyObject* original, vectorcallfunc call) {
+  if (t == nullptr) throw pybind11::error_already_set();
+  auto* m = PyObject_GC_New(NativeMethod, t);
+  if (m == nullptr) throw pybind11::error_already_set();
+  m->original = Py_NewRef(original);
+  m->inner = m->state = m->module = m->snapshot = m->dict = nullptr;
+  m->vectorcall = call;
+  return m;
+}
+
+// boundary_method: the worker's method with the check in it, as the class holds it once the check
+// serves in C: the engine's function called with the very arguments the caller passed (vectorcall,
+// nothing packed), then checked_result.
+PyObject* checked_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* m = reinterpret_cast<NativeMethod*>(self);
+  PyObject* result = PyObject_Vectorcall(m->original, args, nargsf, kwnames);
+  if (result == nullptr || PyVectorcall_NARGS(nargsf) < 1) return result;  // no instance: as the function answers
+  auto* c = static_cast<BoundaryCheck*>(PyCapsule_GetPointer(PyCFunction_GET_SELF(m->inner), kCheckCapsule));
+  if (c == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
   }
-  return &kMethodType;
+  return checked_result(*c, args[0], result);
 }
+
+PyTypeObject kCheckedType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+PyTypeObject kFencedType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // fence_forms' trusted cheap form, at each call: views_check()(cached, live, was) is True where
 // each buffer the epilogue holds now (`live`) is the very object its views were cut from
@@ -1283,17 +1293,6 @@ PyMethodDef kReportMethod = {"report_sync", (PyCFunction)(void (*)(void))report_
 // Anything else, and whatever cannot be read exactly so, is the Python form's:
 // form(the bound function, instance, args, kwargs), as wrapt's binding would call it. Nothing the
 // engine can see runs before this decides, so handing over is always possible.
-struct FencedMethod {
-  PyObject_HEAD
-  PyObject* original;  // the engine's function
-  PyObject* form;      // the CheapForm
-  PyObject* state;     // its __dict__
-  PyObject* module;    // accept_snapshot's module dict
-  PyObject* snapshot;  // this library's snapshot: accept_snapshot._snapshot while it serves
-  PyObject* dict;
-  vectorcallfunc vectorcall;
-};
-
 struct FenceNames {
   PyObject *folded_accept, *bs, *trusted, *context, *views, *read, *read_globals, *accept_outs, *buffers, *notes,
       *positional, *fields, *verify_epilogue, *read_accept, *dict, *AcceptOuts, *note_static_verify, *current,
@@ -1339,7 +1338,7 @@ struct Held {
 // must decide (any error of the checks cleared: the form meets it again, or not, by its own reads),
 // with `served` true where note_static_verify, the copy or AcceptOuts raised (as they raise out of
 // the Python form).
-PyObject* trusted_call(FencedMethod& m, PyObject* instance, PyObject* bs, bool& served) {
+PyObject* trusted_call(NativeMethod& m, PyObject* instance, PyObject* bs, bool& served) {
   const FenceNames& k = fence_names();
   Held held;
   auto item = [&](PyObject* d, PyObject* key) { return held(PyDict_GetItemWithError(d, key)); };
@@ -1432,7 +1431,7 @@ PyObject* trusted_call(FencedMethod& m, PyObject* instance, PyObject* bs, bool& 
 }
 
 PyObject* fenced_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  auto* m = reinterpret_cast<FencedMethod*>(self);
+  auto* m = reinterpret_cast<NativeMethod*>(self);
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   if (nargs < 1) return PyObject_Vectorcall(m->original, args, nargsf, kwnames);  // as the function answers
   const FenceNames& k = fence_names();
@@ -1459,7 +1458,7 @@ PyObject* fenced_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf
     for (Py_ssize_t i = 0; kwnames != nullptr && ok && i < PyTuple_GET_SIZE(kwnames); ++i) {
       ok = PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) == 0;
     }
-    if (ok) result = PyObject_CallFunctionObjArgs(m->form, bound, args[0], rest, kwargs, nullptr);
+    if (ok) result = PyObject_CallFunctionObjArgs(m->inner, bound, args[0], rest, kwargs, nullptr);
   }
   Py_XDECREF(bound);
   Py_XDECREF(rest);
@@ -1467,60 +1466,6 @@ PyObject* fenced_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf
   return result;
 }
 
-int fenced_traverse(PyObject* self, visitproc visit, void* arg) {
-  auto* m = reinterpret_cast<FencedMethod*>(self);
-  for (PyObject* o : {m->original, m->form, m->state, m->module, m->snapshot, m->dict}) Py_VISIT(o);
-  return 0;
-}
-
-int fenced_clear(PyObject* self) {
-  auto* m = reinterpret_cast<FencedMethod*>(self);
-  for (PyObject** o : {&m->original, &m->form, &m->state, &m->module, &m->snapshot, &m->dict}) Py_CLEAR(*o);
-  return 0;
-}
-
-void fenced_dealloc(PyObject* self) {
-  PyObject_GC_UnTrack(self);
-  fenced_clear(self);
-  Py_TYPE(self)->tp_free(self);
-}
-
-PyObject* fenced_getattro(PyObject* self, PyObject* name) {
-  PyObject* found = PyObject_GenericGetAttr(self, name);
-  if (found != nullptr || !PyErr_ExceptionMatches(PyExc_AttributeError)) return found;
-  PyErr_Clear();
-  return PyObject_GetAttr(reinterpret_cast<FencedMethod*>(self)->original, name);
-}
-
-PyObject* fenced_repr(PyObject* self) {
-  return PyUnicode_FromFormat("<fenced %R>", reinterpret_cast<FencedMethod*>(self)->original);
-}
-
-PyTypeObject kFencedType = {PyVarObject_HEAD_INIT(nullptr, 0)};
-
-PyTypeObject* fenced_type() {
-  static bool ready = false;
-  if (!ready) {
-    PyTypeObject& t = kFencedType;
-    t.tp_name = "sglang_adapters.fenced_method";
-    t.tp_basicsize = sizeof(FencedMethod);
-    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL;
-    t.tp_doc = "accept_and_finalize with the fence's trusted cheap form in it";
-    t.tp_vectorcall_offset = offsetof(FencedMethod, vectorcall);
-    t.tp_dictoffset = offsetof(FencedMethod, dict);
-    t.tp_call = PyVectorcall_Call;
-    t.tp_descr_get = method_get;
-    t.tp_getattro = fenced_getattro;
-    t.tp_setattro = PyObject_GenericSetAttr;
-    t.tp_traverse = fenced_traverse;
-    t.tp_clear = fenced_clear;
-    t.tp_dealloc = fenced_dealloc;
-    t.tp_repr = fenced_repr;
-    if (PyType_Ready(&t) != 0) return nullptr;
-    ready = true;
-  }
-  return &kFencedType;
-}
 }  // namespace
 
 pybind11::object boundary_check(pybind11::dict storages, pybind11::object checked, pybind11::str name,
@@ -1535,14 +1480,10 @@ pybind11::object boundary_method(pybind11::function original, pybind11::object c
   TORCH_CHECK(PyCFunction_Check(check.ptr()) &&
                   PyCFunction_GET_FUNCTION(check.ptr()) == (PyCFunction)(void (*)(void))check_call,
               "boundary_method: check must be what boundary_check returned");
-  PyTypeObject* type = method_type();
-  if (type == nullptr) throw pybind11::error_already_set();
-  auto* m = PyObject_GC_New(BoundaryMethod, type);
-  if (m == nullptr) throw pybind11::error_already_set();
-  m->original = original.inc_ref().ptr();
-  m->check = check.inc_ref().ptr();
-  m->dict = nullptr;
-  m->vectorcall = method_vectorcall;
+  NativeMethod* m = new_method(method_type(kCheckedType, "sglang_adapters.boundary_checked_method",
+                                           "a worker method whose results the fence's boundary check compares"),
+                               original.ptr(), checked_vectorcall);
+  m->inner = check.inc_ref().ptr();
   PyObject_GC_Track(m);
   return pybind11::reinterpret_steal<pybind11::object>(reinterpret_cast<PyObject*>(m));
 }
@@ -1553,19 +1494,19 @@ pybind11::object fenced_method(pybind11::function original, pybind11::object for
   fence_names();  // the names its calls read, made here where a failure may raise
   PyObject* state = PyObject_GenericGetDict(form.ptr(), nullptr);
   if (state == nullptr) throw pybind11::error_already_set();
-  PyTypeObject* type = fenced_type();
-  auto* m = type == nullptr ? nullptr : PyObject_GC_New(FencedMethod, type);
-  if (m == nullptr) {
+  NativeMethod* m = nullptr;
+  try {
+    m = new_method(method_type(kFencedType, "sglang_adapters.fenced_method",
+                               "accept_and_finalize with the fence's trusted cheap form in it"),
+                   original.ptr(), fenced_vectorcall);
+  } catch (...) {
     Py_DECREF(state);
-    throw pybind11::error_already_set();
+    throw;
   }
-  m->original = original.inc_ref().ptr();
-  m->form = form.inc_ref().ptr();
+  m->inner = form.inc_ref().ptr();
   m->state = state;
   m->module = module.inc_ref().ptr();
   m->snapshot = snapshot_function.inc_ref().ptr();
-  m->dict = nullptr;
-  m->vectorcall = fenced_vectorcall;
   PyObject_GC_Track(m);
   return pybind11::reinterpret_steal<pybind11::object>(reinterpret_cast<PyObject*>(m));
 }
