@@ -422,6 +422,44 @@ def test_the_class_holds_the_c_check_itself_once_a_scan_is_bound_and_wrapts_bind
     assert vars(cls)["forward_batch_generation"] is forward_batch_generation
 
 
+def test_a_faster_binding_is_kept_by_the_wrappers_identity_and_leaves_what_something_else_replaced():
+    """patching.bind_faster: a wrapper need not be hashable; the bindings made with it are re-made
+    (those made later too), one that something else replaced since is left as it is, and without a
+    faster form wrapt's binding comes back; reverting puts the original back either way."""
+    import wrapt
+    from sglang_dsv41_adapters.framework import patching
+    from sglang_dsv41_adapters.framework.plan import Patch
+
+    class Counting:  # an __eq__ and no __hash__: unhashable
+        def __eq__(self, other):
+            return self is other
+
+        def __call__(self, wrapped, instance, args, kwargs):
+            return "wrapt", wrapped(*args, **kwargs)
+
+    def step(self, x):
+        return x + 1
+
+    wrapper = Counting()
+    first, second, later = (type(name, (), {"step": step}) for name in ("First", "Second", "Later"))
+    for cls in (first, second):
+        patching.apply(Patch(cls, "step", wrapper), "bench")
+    try:
+        assert first().step(1) == ("wrapt", 2)
+        second.step = lambda self, x: "replaced"  # something else bound it since
+        patching.bind_faster(wrapper, patching.for_functions(lambda original: lambda self, x: ("faster", original(self, x))))
+        assert first().step(1) == ("faster", 2) and first.step.__wrapped__ is step and first.step.__name__ == "step"
+        assert second().step(1) == "replaced"
+        patching.apply(Patch(later, "step", wrapper), "bench")  # made after: faster at once
+        assert later().step(1) == ("faster", 2)
+        patching.bind_faster(wrapper)
+        assert isinstance(vars(first)["step"], wrapt.FunctionWrapper) and first().step(1) == ("wrapt", 2)
+    finally:
+        for cls in (first, second, later):
+            patching.revert(cls, "step")
+    assert vars(first)["step"] is step and vars(later)["step"] is step
+
+
 @pytest.mark.parametrize("case", ["kwargs", "positional", "called on the class", "no epilogue", "epilogue None",
                                   "result None", "result is the epilogue", "wrapped raises",
                                   "reading the epilogue raises", "no instance", "escape"])

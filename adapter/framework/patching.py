@@ -34,9 +34,10 @@ class Saved:
 # (id(owner), name) -> what was there before the pack; env name -> (adapter, value before or None)
 _saved: dict[tuple[int, str], Saved] = {}
 _saved_env: dict[str, tuple[str, Optional[str]]] = {}
-# wrapper -> make(original): an object that does what wrapt's binding of `wrapper` to `original`
-# does, at less cost per call, or None where it cannot stand in for that original
-_faster: dict = {}
+# id(wrapper) -> (wrapper, make): make(original) is an object that does what wrapt's binding of
+# `wrapper` to `original` does, at less cost per call, or None where it cannot stand in for that
+# original (by identity: a wrapper need not be hashable; kept, so its id is not reused)
+_faster: dict[int, tuple] = {}
 
 
 def key(owner, name: str) -> tuple[int, str]:
@@ -61,8 +62,8 @@ def apply(patch: Patch, adapter: str) -> bool:
 def _binding(patch: Patch, original):
     if patch.proxy:
         return patch.proxy(original)
-    make = _faster.get(patch.wrapper)
-    faster = make(original) if make is not None else None
+    wrapper, make = _faster.get(id(patch.wrapper), (None, None))
+    faster = make(original) if wrapper is patch.wrapper else None
     # wrapt's: signature and introspection survive
     return faster if faster is not None else wrapt.FunctionWrapper(original, patch.wrapper)
 
@@ -82,9 +83,9 @@ def bind_faster(wrapper, make=None) -> None:
     binding again), the bindings already made included. A binding something else replaced since
     is left to the audit; each stays recorded and reverts as before."""
     if make is None:
-        _faster.pop(wrapper, None)
+        _faster.pop(id(wrapper), None)
     else:
-        _faster[wrapper] = make
+        _faster[id(wrapper)] = (wrapper, make)
     for saved in list(_saved.values()):
         if saved.patch.wrapper is wrapper and not saved.patch.proxy and vars(saved.owner).get(saved.name) is saved.replacement:
             replacement = _binding(saved.patch, saved.original)
