@@ -1,7 +1,8 @@
 """The pack's command line: the console script `sglang-adapters` and the image's ENTRYPOINT.
 
     sglang-adapters                            the doctor report (no arguments)
-    sglang-adapters doctor [--json] [--strict] [--verbose] [--engine PATH] [ADAPTER ...] [-- COMMAND ...]
+    sglang-adapters doctor [--json] [--strict] [--require SPEC] [--record PATH] [--exit-zero] [--verbose]
+                           [--engine PATH] [ADAPTER ...] [-- COMMAND ...]
     sglang-adapters [--] COMMAND ARGS...       wrapper: check flags and engine, apply here, exec COMMAND
     sglang-adapters launch SERVER-ARGS...      the engine's server in this process, after the same check;
     sglang-adapters --model-path ...           bare server arguments are a shorthand for it
@@ -30,7 +31,7 @@ import textwrap
 from . import ADAPTERS, load
 from .engine.installed import InstalledEngine, engine_version
 from .engine.source_engine import UNRELEASED, open_engine
-from .framework import delivery, runtime, topology
+from .framework import delivery, required, runtime, topology
 
 SERVER_MODULE = "sglang.launch_server"
 DIST = "sglang-dsv41-adapters"
@@ -45,11 +46,12 @@ EXIT_FLAGS = 78  # sysexits EX_CONFIG
 EXIT_CANNOT_RUN, EXIT_NOT_FOUND = 126, 127  # as a shell says it
 EXIT_STATUSES = (
     (EXIT_OK, "checked and started (launch, wrapper: then the command's own status, unchanged); "
-              "doctor --strict: nothing refused"),
+              "doctor: no flag that is set or required refused (or --exit-zero)"),
     (EXIT_USAGE, "the pack's own command line: an unknown option, no command after --, "
                  "doctor --engine PATH missing or unreadable"),
     (EXIT_REFUSED, "refused: an engine that drifted from what an adapter needs, conflicting flags, "
-                   "ranks that would not load the pack; doctor --strict also: an engine check refused"),
+                   "ranks that would not load the pack; doctor: a flag that is set or --require'd refused, "
+                   "with --strict also ranks that could not load the pack with every flag off"),
     (EXIT_FLAGS, "a pack flag not understood: a DSV41_* value or name, or a name within two edits of a "
                  "flag (checked first; --help prints its help, then says so)"),
     (EXIT_CANNOT_RUN, "wrapper: COMMAND found but not executable"),
@@ -212,7 +214,8 @@ def parse(argv: list[str]):
 # --- doctor ---------------------------------------------------------------------------------
 
 DOCTOR_HELP = dict(
-    usage="sglang-adapters doctor [-h] [--json] [--strict] [--verbose] [--engine PATH] [ADAPTER ...] [-- COMMAND ...]",
+    usage="sglang-adapters doctor [-h] [--json] [--strict] [--require SPEC] [--record PATH] [--exit-zero] [--verbose] "
+          "[--engine PATH] [ADAPTER ...] [-- COMMAND ...]",
     description="Report every adapter's outcome under the current flags (the decision the launcher and every rank "
                 "take) and its engine check (switched on at its broadest setting): the table, then one line per "
                 "adapter with the deciding reason; --verbose or ADAPTER for every proof, site and caller.",
@@ -223,8 +226,16 @@ def doctor_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help=f"print the report as JSON (schema version {SCHEMA_VERSION}: docs/doctor-report.schema.json)")
     parser.add_argument("--strict", action="store_true",
-                        help=f"exit {EXIT_FLAGS} on a flag error, {EXIT_REFUSED} on any refusal, on or off "
+                        help=f"also exit {EXIT_REFUSED} where the ranks could not load the pack, whatever the flags "
                              "(docker build runs this)")
+    parser.add_argument("--require", action="append", default=[], metavar="SPEC",
+                        help=f"fail ({EXIT_REFUSED}) where these flags, which the image is built to serve, are refused: "
+                             "flag or adapter names, @ENV-FILE (its flags set on, at their values) or all; comma "
+                             "or space separated, repeatable. Every other adapter's check is printed, never failed on")
+    parser.add_argument("--record", metavar="PATH",
+                        help="also write the JSON report to PATH (the image keeps its build's verdicts there)")
+    parser.add_argument("--exit-zero", action="store_true",
+                        help="exit 0 whatever the verdict (a report; the verdict line still says its status)")
     parser.add_argument("--verbose", action="store_true",
                         help="every adapter's full reasons: each proof, site and caller, and its engine check's")
     parser.add_argument(
@@ -272,6 +283,11 @@ def doctor(opts) -> int:
             return EXIT_USAGE
     else:
         deployment, judged = None, ""
+    try:
+        wanted = required.parse(opts.require)
+    except required.RequireError as exc:
+        runtime.emit(f"doctor {exc} (exit {EXIT_FLAGS})")
+        return EXIT_FLAGS
     with tempfile.TemporaryDirectory() as workdir:
         if opts.engine:
             try:
@@ -282,9 +298,20 @@ def doctor(opts) -> int:
                 return EXIT_USAGE
         else:
             engine = InstalledEngine()
-        found = report(os.environ, engine, deployment, judged)
+        try:
+            found = report(os.environ, engine, deployment, judged, wanted, strict=opts.strict)
+        except required.RequireError as exc:
+            runtime.emit(f"doctor {exc} (exit {EXIT_FLAGS})")
+            return EXIT_FLAGS
     status = VERDICT_STATUS[verdict(found)]
     shown = only(found, selected) if selected else found  # the verdict stays the whole pack's
+    if opts.record:
+        try:
+            with open(opts.record, "w", encoding="utf-8") as handle:
+                json.dump(as_json(found, opts.engine, status), handle, indent=2)
+        except OSError as exc:
+            runtime.emit(f"doctor --record {opts.record}: cannot be written ({exc.strerror or exc}) (exit {EXIT_USAGE})")
+            return EXIT_USAGE
     if opts.json:
         emit(json.dumps(as_json(shown, opts.engine, status), indent=2))
     else:
@@ -296,11 +323,30 @@ def doctor(opts) -> int:
         else:
             ranks = None
         full = opts.verbose or bool(selected)
-        emit(render_table(found["engine"], shown["adapters"], found["delivery_problems"], ranks, found["unknown_flags"],
-                          provenance=found["provenance"], entry_point=found["entry_point"], verbose=full)
-             + render_deployment(shown, verbose=full) + f"\nverdict: {verdict(found)} (doctor --strict exits {status})"
-             + ("; of every adapter, not only those shown" if selected else ""))
-    return status if opts.strict else EXIT_OK
+        emit("\n".join(verdict_lines(found, status, opts.exit_zero, bool(selected))) + "\n\n"
+             + render_table(found["engine"], shown["adapters"], found["delivery_problems"], ranks, found["unknown_flags"],
+                            provenance=found["provenance"], entry_point=found["entry_point"], verbose=full)
+             + render_deployment(shown, verbose=full))
+    return EXIT_OK if opts.exit_zero else status
+
+
+def verdict_lines(found: dict, status: int, exit_zero: bool, narrowed: bool) -> list[str]:
+    """doctor's first lines: the verdict and its exit status, then each reason for it (a flag
+    error, a refused flag that is set or required, ranks that cannot load the pack), one line each."""
+    exits = f"exit 0 with --exit-zero; the verdict's status is {status}" if exit_zero else f"exit {status}"
+    lines = [f"verdict: {verdict(found)} ({exits})" + ("; of every adapter, not only those shown" if narrowed else "")]
+    lines += [f"  flag error: {error}" for error in found["flag_errors"]]
+    lines += [f"  refused: {r['adapter']} {r['flag']}={r['value']!r}: {r['short_reason']}"
+              for r in found["adapters"] if r["state"] == runtime.REFUSED]
+    lines += [f"  required and refused: {r['adapter']} {r['flag']}"
+              + ("" if r["value"] is None else f"={r['value']!r}") + f" ({r['source']}): {r['short_reason']}"
+              for r in found["required"] if r["outcome"] == runtime.REFUSED]
+    if found["failed"]:  # what stops the start beyond the adapters' own refusals (conflicts, ranks that skip the pack)
+        lines += [f"  problem: {problem}" for problem in found["problems"]]
+    if found["installation_broken"]:
+        lines += [f"  ranks cannot load the pack: {problem}" for problem in found["delivery_problems"]] or [
+            "  ranks cannot load the pack"]
+    return lines
 
 
 def only(found: dict, names: list[str]) -> dict:
@@ -318,14 +364,16 @@ def emit(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def report(environ, engine, deployment=None, judged: str = "") -> dict:
+def report(environ, engine, deployment=None, judged: str = "", wanted=(), strict: bool = True) -> dict:
     """doctor's findings: the decision the launcher and every rank take for `environ` on
     `engine` and the `deployment` (a Topology, None: every topology), plus each adapter's
     engine check (switched on, every other adapter off), so that a drifted engine fails
     `docker build` although the image is built with every flag unset. Without a deployment,
     `by_layout` holds the outcomes on each representative layout wherever they differ.
-    `failed` is what --strict fails on; `flag_errors` the part of it that is the pack's
-    flags not understood."""
+    `failed` is what doctor fails on: a flag that is set refused, a required flag (`wanted`,
+    framework.required) refused and, with `strict`, an installation whose ranks cannot load the
+    pack; `flag_errors` the pack's flags not understood. Every other engine check is printed and
+    recorded, never failed on: an upgrade the pack cannot fully judge still builds."""
     decision = runtime.decide(environ, engine, topology=deployment)
     rows = []
     for outcome in decision.outcomes:
@@ -334,6 +382,9 @@ def report(environ, engine, deployment=None, judged: str = "") -> dict:
         rows.append({**outcome.as_dict(), "summary": adapter.summary, "engine_check": check[0], "engine_check_reason": check[1],
                      "engine_check_short_reason": check[2], "setting": decision.settings.get(outcome.adapter),
                      "machine": runtime.machine_note(outcome.adapter) or None})
+    checks = {r["adapter"]: (r["engine_check"], r["engine_check_reason"], r["engine_check_short_reason"]) for r in rows}
+    needed = required.judge(list(wanted), engine, checks, deployment)
+    broken = strict and isinstance(engine, InstalledEngine) and delivery.installation_broken()
     delivery_problems = runtime.delivery_problems(environ, engine)
     plugins = delivery.discovery_module(engine)
     return {
@@ -347,8 +398,8 @@ def report(environ, engine, deployment=None, judged: str = "") -> dict:
         "ignored_variables": runtime.service_links(environ),
         "flag_errors": decision.flag_errors, "switched_off": decision.switched_off,
         # An installation whose ranks cannot load the pack fails the build even with every flag off.
-        "failed": (decision.refused or any(r["engine_check"] == runtime.REFUSED for r in rows)
-                   or (isinstance(engine, InstalledEngine) and delivery.installation_broken())),
+        "failed": decision.refused or broken or any(r["outcome"] == runtime.REFUSED for r in needed),
+        "required": needed, "installation_broken": broken,
         "deployment": deployment, "judged": judged,
         "by_layout": {} if deployment is not None else by_layout(environ, engine),
     }
@@ -434,6 +485,9 @@ def as_json(found: dict, source: str | None, status: int) -> dict:
         "engine": engine,
         "verdict": verdict(found),
         "strict_exit_status": status,
+        "exit_status": status,
+        "required": found["required"],
+        "installation_broken": found["installation_broken"],
         "switched_off": found["switched_off"],
         "adapters": [{
             "adapter": r["adapter"], "flag": r["flag"], "value": r["value"], "setting": _setting(r["setting"]),

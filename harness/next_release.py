@@ -11,6 +11,11 @@ by what it does, never by one spelling.
   that live in the worker); the pack has never seen the site.
 - sgl-project/sglang#31195: SpecTpSync.sync_cpu and the planner's verify-budget sync.
 
+Beside the fixes, ordinary refactors of the same release (REFACTORS): SpecTpSync renamed
+with an alias, moved and re-exported, subclassed, its probe decorated or delegated, a site
+of the engine's own given a number the pack uses. None of them changes what runs but the
+one that is there to be refused (`subclass-drops-broadcast`).
+
 A tree is the installed release's files hard-linked (a changed file is written anew, so
 the installed release is never touched), importable with the tree first on the path.
 """
@@ -113,6 +118,159 @@ def sync_cpu_31195(root):
                       "    def available_memory_gb("))
 
 
+# ---------------------------------------------------------------- ordinary refactors
+
+WORKER_FILES = (WORKER, "srt/speculative/dspark_components/dspark_worker_v2.py")
+IMPORT = "from sglang.srt.speculative.spec_tp_sync import SpecTpSync, SpecTpSyncSite\n"
+BUILT = "        self._tp_sync = SpecTpSync(get_dp_tp_group())\n"
+RENAMED = ("class SpecTpSync:\n", "class SpecTpBroadcaster:\n")
+ALIAS = "\n\n# The old name, kept for callers that still use it.\nSpecTpSync = SpecTpBroadcaster\n"
+
+
+def _append(root, relative: str, text: str) -> None:
+    path = root / "sglang" / relative
+    content = path.read_text(encoding="utf-8") + text
+    path.unlink()
+    path.write_text(content, encoding="utf-8")
+
+
+def _workers(root, imported: str, built: str) -> None:
+    """Both workers import `imported` (a line) beside the old import and build with `built`."""
+    for relative in WORKER_FILES:
+        edit(root, relative, (IMPORT, IMPORT + imported), (BUILT, built))
+
+
+def rename_alias(root):
+    """SpecTpSync renamed SpecTpBroadcaster, the old name an alias at the module's end; the
+    workers build it by the new name."""
+    edit(root, SYNC, RENAMED)
+    _append(root, SYNC, ALIAS)
+    _workers(root, "from sglang.srt.speculative.spec_tp_sync import SpecTpBroadcaster\n",
+             "        self._tp_sync = SpecTpBroadcaster(get_dp_tp_group())\n")
+
+
+def rename_import_as(root):
+    """Renamed as above; the workers import it under a name of their own."""
+    edit(root, SYNC, RENAMED)
+    _append(root, SYNC, ALIAS)
+    _workers(root, "from sglang.srt.speculative.spec_tp_sync import SpecTpBroadcaster as TpBroadcast\n",
+             "        self._tp_sync = TpBroadcast(get_dp_tp_group())\n")
+
+
+def rename_factory(root):
+    """Renamed as above; the workers build it through a factory function."""
+    edit(root, SYNC, RENAMED)
+    _append(root, SYNC, ALIAS + "\n\ndef make_tp_sync(tp_group):\n    return SpecTpBroadcaster(tp_group)\n")
+    _workers(root, "from sglang.srt.speculative.spec_tp_sync import make_tp_sync\n",
+             "        self._tp_sync = make_tp_sync(get_dp_tp_group())\n")
+
+
+HOME = "srt/speculative/spec_tp_broadcast.py"
+
+
+def moved_reexport(root):
+    """The module moved whole to spec_tp_broadcast.py, spec_tp_sync.py re-exporting it; the
+    workers import from the new home under a name of their own."""
+    old = root / "sglang" / SYNC
+    (root / "sglang" / HOME).write_text(old.read_text(encoding="utf-8"), encoding="utf-8")
+    old.unlink()
+    old.write_text('"""Moved to spec_tp_broadcast; kept for its importers."""\n\n'
+                   "from sglang.srt.speculative.spec_tp_broadcast import (  # noqa: F401\n"
+                   "    _ALL, SpecTpSync, SpecTpSyncSite, parse_spec_tp_sync,\n)\n", encoding="utf-8")
+    _workers(root, "from sglang.srt.speculative.spec_tp_broadcast import SpecTpSync as MovedSync\n",
+             "        self._tp_sync = MovedSync(get_dp_tp_group())\n")
+
+
+def _subclass(root, body: str):
+    (root / "sglang" / HOME).write_text(
+        "from sglang.srt.speculative.spec_tp_sync import SpecTpSync\n\n\n"
+        "class SpecTpBroadcaster(SpecTpSync):\n    \"\"\"The rank-0 broadcast, with a place for tracing.\"\"\"\n\n" + body,
+        encoding="utf-8")
+    _workers(root, "from sglang.srt.speculative.spec_tp_broadcast import SpecTpBroadcaster\n",
+             "        self._tp_sync = SpecTpBroadcaster(get_dp_tp_group())\n")
+
+
+def subclass_reexport(root):
+    """A subclass in another module, the workers building it; its sync defers to the base."""
+    _subclass(root, "    def sync(self, site, values):\n        return super().sync(site, values)\n")
+
+
+def subclass_drops_broadcast(root):
+    """As above, but its sync returns the values without broadcasting: what runs no longer
+    does the job (to be refused)."""
+    _subclass(root, "    def sync(self, site, values):\n        return values\n")
+
+
+CONFIGURED = (KEPT, "        self._configured_sites = sites\n" + KEPT)
+DECORATOR = '''
+def _over_configured(probe):
+    """A configured site reduces over the caller's group (#39954 as a decorator)."""
+    {wraps}def reduced(self, site, device, gpu_id, *, group):
+        if site in self._configured_sites and group.world_size > 1:
+            return get_available_gpu_memory(device, gpu_id, distributed=True, cpu_group=group.cpu_group)
+        return probe(self, site, device, gpu_id, group=group)
+    return reduced
+
+
+class SpecTpSync:
+'''
+
+
+def _decorated(root, wraps: str):
+    edit(root, SYNC, ("import logging\n", "import functools\nimport logging\n"),
+         ("class SpecTpSync:\n", DECORATOR.format(wraps=wraps)), CONFIGURED,
+         ("    def available_memory_gb(", "    @_over_configured\n    def available_memory_gb("))
+
+
+def decorator_wraps(root):
+    """sgl-project/sglang#39954 written as a decorator on available_memory_gb (functools.wraps)."""
+    _decorated(root, "@functools.wraps(probe)\n    ")
+
+
+def decorator_plain(root):
+    """The same decorator without functools.wraps."""
+    _decorated(root, "")
+
+
+def probe_staticmethod(root):
+    """sgl-project/sglang#39954 with the probe delegated to a staticmethod that calls a module
+    function."""
+    edit(root, SYNC, CONFIGURED,
+         ("class SpecTpSync:\n",
+          "def _free_memory(on, device, gpu_id, group):\n"
+          "    distributed = on and group.world_size > 1\n"
+          "    return get_available_gpu_memory(\n        device, gpu_id, distributed=distributed,\n"
+          "        cpu_group=group.cpu_group if distributed else None,\n    )\n\n\nclass SpecTpSync:\n"),
+         ("    def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, *, group):\n",
+          "    _probe = staticmethod(_free_memory)\n\n"
+          "    def available_memory_gb(self, site: SpecTpSyncSite, device, gpu_id, *, group):\n"
+          "        return self._probe(site in self._configured_sites, device, gpu_id, group)\n\n"
+          "    def _rank_local_probe(self, site, device, gpu_id, *, group):\n"))
+
+
+def _site(root, number: int):
+    edit(root, SYNC, ("    DFLASH_TARGET = 16\n",
+                      f"    DFLASH_TARGET = 16\n    DFLASH_DRAFT_GREEDY = {number}  # greedy draft proposal\n"))
+    _sync_draft_paths(root, "DFLASH_DRAFT_GREEDY")
+
+
+def site_31(root):
+    """The engine's new site at 31, the number of the pack's own DFlash draft site."""
+    _site(root, 31)
+
+
+def site_30(root):
+    """The engine's new site at 30, the number of the pack's own report site."""
+    _site(root, 30)
+
+
+REFACTORS = {"rename-alias": rename_alias, "rename-import-as": rename_import_as, "rename-factory": rename_factory,
+             "moved-reexport": moved_reexport, "subclass-reexport": subclass_reexport,
+             "subclass-drops-broadcast": subclass_drops_broadcast, "decorator-wraps": decorator_wraps,
+             "decorator-plain": decorator_plain, "probe-staticmethod": probe_staticmethod,
+             "site-31": site_31, "site-30": site_30}
+
+
 FIXES = {"39954-pr": fix_39954_pr, "39954-refactor": fix_39954_refactor, "40246-pr": site_40246_pr,
          "40246-refactor": site_40246_refactor, "31195": sync_cpu_31195}
 
@@ -130,5 +288,5 @@ def tree(into, fixes, version: str = "0.5.24") -> pathlib.Path:
                             f"__version_tuple__ = version_tuple = {tuple(version.split('.'))!r}\n"
                             "__commit_id__ = commit_id = None\n")
     for name in fixes:
-        FIXES[name](into)
+        {**FIXES, **REFACTORS}[name](into)
     return into

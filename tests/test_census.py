@@ -10,7 +10,7 @@ import pytest
 
 from sglang_dsv41_adapters.engine import census
 from sglang_dsv41_adapters import folded_fence, group_min_memory, rank0_broadcast
-from sglang_dsv41_adapters.framework import runtime
+from sglang_dsv41_adapters.framework import required, runtime
 from sglang_dsv41_adapters.engine.installed import InstalledEngine
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters import cli
@@ -57,7 +57,7 @@ def from_sources(tmp_path_factory):
     for release, case in ALL_CASES:
         tree = tmp_path_factory.mktemp(case) / "engine"
         where = census_cases.source_tree(release_sources(release), CASES[release][case], tree)
-        report = cli.report({}, SourceEngine(tree))
+        report = cli.report({}, SourceEngine(tree), wanted=required.parse(["all"]))
         found[release, case] = (report, where)
     return found
 
@@ -66,7 +66,7 @@ def from_sources(tmp_path_factory):
 def test_refused_by_doctor_engine(from_sources, release, case):
     refactor = CASES[release][case]
     report, where = from_sources[release, case]
-    assert report["failed"] and cli.verdict(report) == "refused"  # doctor --strict exits 69
+    assert report["failed"] and cli.verdict(report) == "refused"  # doctor --require all exits 69
     row = next(a for a in report["adapters"] if a["adapter"] == refactor.adapter)
     assert_refused_at({"state": row["engine_check"], "reason": row["engine_check_reason"]}, refactor, release, where)
 
@@ -77,7 +77,7 @@ def test_the_doctor_engine_command_refuses_a_refactor(tmp_path, release):
     case = sorted(CASES[release])[0]
     refactor = CASES[release][case]
     where = census_cases.source_tree(release_sources(release), refactor, tmp_path / "engine")
-    done = zygote.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(tmp_path / "engine")],
+    done = zygote.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--require", "all", "--engine", str(tmp_path / "engine")],
                           cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=600)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     row = next(a for a in json.loads(done.stdout)["adapters"] if a["adapter"] == refactor.adapter)

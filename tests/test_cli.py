@@ -199,15 +199,19 @@ def test_launch_wrapper_and_strict_doctor_exit_alike(environ, monkeypatch, capsy
         got[form] = cli.main(argv)  # refused before the server or the command starts
     got["doctor --strict"] = cli.main(["doctor", "--strict"])
     got["doctor"] = cli.main(["doctor"])
+    got["doctor --exit-zero"] = cli.main(["doctor", "--exit-zero"])
     for argv in (["--help"], ["launch", "--help"], ["doctor", "--help"], ["doctor", "--strict", "-h"]):
         with pytest.raises(SystemExit) as done:
             cli.main(argv)  # the help is printed whatever the flags; a flag not understood is 78 too
         got[" ".join(argv)] = done.value.code
     helps = status if status == cli.EXIT_FLAGS else 0
     assert got == {"launch": status, "bare server arguments": status, "wrapper": status,
-                   "doctor --strict": status, "doctor": 0,
+                   "doctor --strict": status, "doctor": status, "doctor --exit-zero": 0,
                    "--help": helps, "launch --help": helps, "doctor --help": helps, "doctor --strict -h": helps}
-    assert f"verdict: {'flag-error' if status == 78 else 'refused'} (doctor --strict exits {status})" in capsys.readouterr().out
+    out = capsys.readouterr().out  # the verdict first, in every form of doctor
+    word = 'flag-error' if status == 78 else 'refused'
+    assert out.startswith(f"verdict: {word} (exit {status})\n")
+    assert f"\nverdict: {word} (exit 0 with --exit-zero; the verdict's status is {status})\n" in out
 
 
 @pytest.mark.parametrize("argv", [["launch", "--help"], ["doctor", "--help"], ["--help"]])
@@ -289,7 +293,7 @@ def test_fields_added_within_schema_version_1_validate():
 def test_doctor_json_matches_its_schema(args, env, verdict):
     if args:
         args = ("--engine", str(release_sources(args[1])))
-    done = run_cli("doctor", "--json", "--strict", *args, **env)
+    done = run_cli("doctor", "--json", "--strict", "--require", "all", *args, **env)
     report = json.loads(done.stdout)
     assert schema_errors(report) == []
     assert (report["verdict"], report["strict_exit_status"], done.returncode) == (verdict, *[cli.VERDICT_STATUS[verdict]] * 2)

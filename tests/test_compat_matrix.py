@@ -48,7 +48,7 @@ def drifted_tree(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def test_doctor_refuses_a_drifted_engine_it_has_not_imported(tmp_path):
-    done = zygote.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--engine", str(drifted_tree(tmp_path))],
+    done = zygote.run([python(), "entrypoint.py", "doctor", "--json", "--strict", "--require", "DSV41_FOLDED_FENCE", "--engine", str(drifted_tree(tmp_path))],
                           cwd=ROOT, env=engine_env("0.5.23"), capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     report = json.loads(done.stdout)

@@ -71,15 +71,21 @@ def test_never_one_of_the_engines_numbers_or_slugs():
         assert f"= {int(SITE)}\n" not in body and "PACK_" not in body, release
 
 
-def test_collision_refused(monkeypatch):
+def test_a_collision_stops_only_a_selection_that_names_the_token(monkeypatch):
+    """An engine site at the pack's number 31: `all` and the pack's slug mean what they meant;
+    only a selection naming `31` is ambiguous, and is refused with both ways to say it."""
     from sglang.srt.speculative import spec_tp_sync
 
     drift = Drift(engine_class.MODULE, "    DSPARK_DRAFT = 17\n", "    DSPARK_DRAFT = 17\n    DFLASH_DRAFT = 31\n",
                   "SpecTpSyncSite.DFLASH_DRAFT")
     assert "DSPARK_DRAFT = 17" in pathlib.Path(spec_tp_sync.__file__).read_text()
-    outcome = runtime.decide({r.FLAG: "all"}, drift.engine(), names=(r.NAME,)).outcomes[0]
-    assert outcome.state == runtime.REFUSED and "SpecTpSyncSite.DFLASH_DRAFT" in outcome.reason, outcome.reason
-    assert "31:pack-dflash-draft-greedy" in outcome.reason
+    decide = lambda value: runtime.decide({r.FLAG: value}, drift.engine(), names=(r.NAME,)).outcomes[0]  # noqa: E731
+    for value in ("all", "all,pack-dflash-draft-greedy", "all,-pack-dflash-draft-greedy"):
+        assert decide(value).state != runtime.REFUSED, (value, decide(value).reason)
+    for value in ("all,31", "all,-31"):
+        outcome = decide(value)
+        assert outcome.state == runtime.REFUSED and "SpecTpSyncSite.DFLASH_DRAFT" in outcome.reason, outcome.reason
+        assert "31:pack-dflash-draft-greedy" in outcome.reason and "slug (pack-dflash-draft-greedy)" in outcome.reason
 
 
 # --- the engine's draft code on two gloo ranks -----------------------------------------

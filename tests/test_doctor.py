@@ -87,7 +87,7 @@ SOURCES_0_5_16 = str(ROOT / ".engines" / "src" / "0.5.16")
 def summary_block(text: str) -> list[str]:
     """The lines between the table and the ranks: the one line per adapter, then the pointer."""
     paragraphs = text.split("\n\n")
-    return paragraphs[2].splitlines()
+    return paragraphs[3].splitlines()
 
 
 def paragraphs(report: dict) -> list[str]:
@@ -130,7 +130,7 @@ def test_the_default_is_the_table_then_one_line_per_adapter(every_flag_on):
     assert line["tp_divergence"] == ("tp_divergence: applied - compares sites 7-11,13-17 (SpecTpSync.sync), 30 (decode "
                                      "graph key); reports every 1000 calls")
     assert "  outcome: " not in text and "  engine check: " not in text
-    assert text.rstrip().endswith("verdict: ok (doctor --strict exits 0)")
+    assert text.startswith("verdict: ok (exit 0)\n\n")
 
 
 def test_verbose_is_the_full_report(every_flag_on):
@@ -145,12 +145,14 @@ def test_verbose_is_the_full_report(every_flag_on):
 
 def test_a_refusal_names_the_release_the_symbol_and_the_adapter():
     on = doctor("0.5.23", "--strict", "--engine", SOURCES_0_5_16, DSV41_SPEC_TP_SYNC="all")
-    off = doctor("0.5.23", "--strict", "--engine", SOURCES_0_5_16)
+    off = doctor("0.5.23", "--strict", "--require", "all", "--engine", SOURCES_0_5_16)
+    unasked = doctor("0.5.23", "--strict", "--engine", SOURCES_0_5_16)  # printed, not failed on: nobody asked for it
+    assert unasked.returncode == 0 and unasked.stdout.startswith("verdict: ok (exit 0)\n"), unasked.stdout[:500]
     assert on.returncode == off.returncode == cli.EXIT_REFUSED, on.stderr[-3000:] + off.stderr[-3000:]
     lines = dict(zip(ADAPTERS, summary_block(on.stdout)))
     assert lines["rank0_broadcast"].startswith("rank0_broadcast: refused - sglang 0.5.16: dspark_draft_sampler: is missing")
     assert lines["folded_fence"] == "folded_fence: off - DSV41_FOLDED_FENCE is off"
-    # off, but its engine check refuses (what --strict fails on): the line says that refusal
+    # off, but its engine check refuses (what --require all fails on): the line says that refusal
     assert summary_block(off.stdout)[1].startswith(
         "rank0_broadcast: off; engine check refused - sglang 0.5.16: dspark_draft_sampler: is missing")
     for line in summary_block(on.stdout) + summary_block(off.stdout):
@@ -173,18 +175,22 @@ def test_doctor_adapter_is_the_full_report_of_just_those(every_flag_on):
                                   if a["adapter"] in ("rank0_broadcast", "tp_divergence")]
     assert report["verdict"] == every_flag_on["json"]["verdict"] and schema_errors(report) == []
     text = doctor("0.5.23", "tp_divergence", "rank0_broadcast", *SERVER, **EVERY_FLAG).stdout
-    table = text.split("\n\n")[1].splitlines()
+    table = text.split("\n\n")[2].splitlines()
     assert [row.split()[0] for row in table] == ["adapter", "rank0_broadcast", "tp_divergence"]
     assert summary_block(text) == paragraphs(report)
     assert "folded_fence" not in text and "group_min_memory:" not in text
-    assert text.rstrip().endswith("verdict: ok (doctor --strict exits 0); of every adapter, not only those shown")
+    assert text.startswith("verdict: ok (exit 0); of every adapter, not only those shown\n")
 
 
 def test_doctor_adapter_keeps_the_whole_packs_verdict():
-    """--strict fails on any refusal, shown or not."""
+    """doctor fails on any refusal of a flag that is set, shown or not, and says which first."""
     done = doctor("0.5.23", "--strict", "folded_fence", "--engine", SOURCES_0_5_16, DSV41_SPEC_TP_SYNC="all")
     assert done.returncode == cli.EXIT_REFUSED
-    assert "rank0_broadcast" not in done.stdout and "verdict: refused (doctor --strict exits 69)" in done.stdout
+    verdict, reason, *_ = done.stdout.splitlines()
+    assert verdict == "verdict: refused (exit 69); of every adapter, not only those shown"
+    assert reason.startswith("  refused: rank0_broadcast DSV41_SPEC_TP_SYNC='all': sglang 0.5.16: dspark_draft_sampler")
+    table = done.stdout.split("\n\n")[2].splitlines()
+    assert [row.split()[0] for row in table] == ["adapter", "folded_fence"]
 
 
 @pytest.mark.parametrize("name,says", [

@@ -298,7 +298,7 @@ def test_bare_run_prints_the_doctor_report(runs):
     """`docker run IMAGE` runs ENTRYPOINT + CMD: the doctor table, every adapter off."""
     done = runs["bare"]
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith(f"sglang {ENGINE}\n")
+    assert done.stdout.startswith(f"verdict: ok (exit 0)\n\nsglang {ENGINE}\n")
     assert "every TP rank loads the pack through the engine's plugin loader" in done.stdout
     states = [line.split()[3] for line in done.stdout.splitlines()[4:7]]  # under the engine header and the table's
     assert states == ["off", "off", "off"], done.stdout
@@ -386,9 +386,15 @@ def kernel_build_step() -> str:
 
 
 def run_kernel_step(image: Image, kernel: Path, build_args: dict[str, str], env: dict[str, str], timeout: float = 200):
-    args = {k: v.strip('"') for k, v in dockerfile_args().items()} | build_args
+    """The step as the Dockerfile writes it, /opt/sglang-dsv41 being kernel's folder, which
+    holds the recipe's adapters.env as the build's COPY puts it there."""
+    opt = str(kernel.parent)
+    kernel.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(ENV_FILE, kernel.parent / "adapters.env")
+    args = {k: v.strip('"').replace("/opt/sglang-dsv41", opt) for k, v in dockerfile_args().items()} | build_args
     environ = args | dockerfile_env() | {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)} | env
-    done = subprocess.run(dockerfile_value("SHELL") + [kernel_build_step()], cwd=image.workdir,
+    step = kernel_build_step().replace("/opt/sglang-dsv41", opt)
+    done = subprocess.run(dockerfile_value("SHELL") + [step], cwd=image.workdir,
                           env=image.env(environ), capture_output=True, text=True, timeout=timeout)
     assert not RUNPY_WARNING.search(done.stderr), done.stderr  # the build log holds no warning of the pack's own
     return done
@@ -403,7 +409,12 @@ def test_the_kernel_step_builds_what_the_ranks_load():
     # The file the build writes is the one every rank loads (the ENV is the image's environment).
     assert env[accept_snapshot.PATH_ENV] == accept_snapshot.DEFAULT_PATH
     assert '--archs "${SNAPSHOT_KERNEL_ARCHS}"' in step and '--allow-clones "${ALLOW_CLONE_FENCE}"' in step
-    assert step.startswith(f"{KERNEL_STEP} ") and step.endswith("&& sglang-adapters doctor --strict")
+    assert step.startswith(f"{KERNEL_STEP} ") and step.endswith(
+        '&& sglang-adapters doctor --strict --require "${REQUIRED_FLAGS}" --record /opt/sglang-dsv41/doctor.json')
+    # The build fails for what the image serves: by default the flags the recipe switches on, copied in.
+    assert args["REQUIRED_FLAGS"] == "@/opt/sglang-dsv41/adapters.env"
+    copies = [a for i, a in dockerfile_instructions() if i == "COPY"]
+    assert "recipes/dsv41-flash-tp4-dspark/adapters.env /opt/sglang-dsv41/adapters.env" in copies
     labels = " ".join(a for i, a in dockerfile_instructions() if i == "LABEL")
     assert '.clone-fence-allowed="${ALLOW_CLONE_FENCE}"' in labels
     assert "TORCH_EXTENSIONS_DIR" not in DOCKERFILE.read_text(), "no JIT cache at run time"
@@ -443,7 +454,7 @@ def test_allow_clone_fence_ships_the_image_without_the_kernel(image, tmp_path):
     done = run_kernel_step(image, kernel, {"ALLOW_CLONE_FENCE": "1"}, {"CUDA_HOME": str(tmp_path / "no-cuda")})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "NOT BUILT, the fence will use clones (allowed by ALLOW_CLONE_FENCE=1)" in done.stderr
-    assert not kernel.exists() and not list(kernel.parent.glob("*"))
+    assert not kernel.exists() and sorted(p.name for p in kernel.parent.glob("*")) == ["adapters.env", "doctor.json"]
     # What a rank on an H200 of that image would say (no GPU here: the loader asked directly).
     code = "from sglang_dsv41_adapters.folded_fence import accept_snapshot as a; print(a._probe(a.kernel_path(), (9, 0))[0])"
     probe = image.run(["python", "-c", code], {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": str(kernel)})

@@ -215,13 +215,18 @@ DOCTORINGS = {
                                       both("it does not select by the variable")),
     "decorator_on_sync": Doctoring({SYNC: [("class SpecTpSync:\n", "def _traced(f):\n    return f\n\n\nclass SpecTpSync:\n"),
                                            ("    def sync(self,", "    @_traced\n    def sync(self,")]},
-                                   both("SpecTpSync.sync: is decorated (@_traced)")),
+                                   # the run shows the job done: accepted, the wrapper named
+                                   {r0.NAME: (SUPERSEDED, "SpecTpSync.sync: @_traced"),
+                                    gm.NAME: (SUPERSEDED, "shown from its source"), td.NAME: (APPLIED, "compares")}),
     "subclass_overrides_sync": Doctoring(
         {DSPARK_WORKER: [("self._tp_sync = SpecTpSync(get_dp_tp_group())", "self._tp_sync = _LocalSync(get_dp_tp_group())"),
                          ("    def get_confidence_budget_prepare(self):",
                           "    def get_confidence_budget_prepare(self):\n        class _LocalSync(SpecTpSync):\n"
                           "            def sync(self, site, values):\n                return values\n\n")]},
-        both("subclasses SpecTpSync (_LocalSync)")),
+        # a class made inside a method: what the workers build cannot be followed, for any adapter
+        {r0.NAME: (REFUSED, "_LocalSync: cannot be followed to the class that runs"),
+         td.NAME: (REFUSED, "_LocalSync: cannot be followed to the class that runs"),
+         gm.NAME: (REFUSED, "_LocalSync: cannot be followed to the class that runs")}),
     "method_reassigned": Doctoring(
         {DFLASH_WORKER: [("class DFlashWorkerV2(", "def _quiet_sync():\n    SpecTpSync.sync = lambda self, site, values: values\n\n\n"
                                                     "class DFlashWorkerV2(")]},

@@ -58,7 +58,7 @@ def test_doctor_engine_on_an_unreleased_build_says_it_is_judged_by_its_code(tmp_
     done = zygote.run([python(), "entrypoint.py", "doctor", "--strict", "--engine", str(tree)], cwd=ROOT,
                           env=engine_env("0.5.23", DSV41_FOLDED_FENCE="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    header = done.stdout.splitlines()[:2]
+    header = done.stdout.splitlines()[2:4]  # after the verdict
     assert header == [f"sglang {PREVIEW}: {UNRELEASED}",
                       f"engine at {tree}; label {PREVIEW} from {tree}/sglang/_version.py; "
                       "verdicts are judged by the engine's code, not by its label"]
@@ -75,7 +75,7 @@ def test_an_installed_unreleased_build_first_on_the_path_is_labelled_by_its_own_
     done = zygote.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[:2] == [
+    assert done.stdout.splitlines()[2:4] == [
         f"sglang {PREVIEW}: {UNRELEASED}",
         f"engine at {tree}/sglang; label {PREVIEW} from {tree}/sglang/_version.py; "
         "verdicts are judged by the engine's code, not by its label"]

@@ -275,7 +275,11 @@ class SourceEngine:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 if isinstance(target, ast.Name):
-                    setattr(module, target.id, _value(node.value, f"{name}.{target.id}"))
+                    # `Old = New`: an alias of a class, function or import bound above, as Python binds it
+                    bound = (module.__dict__.get(node.value.id) if isinstance(node.value, ast.Name) else None)
+                    aliased = bound is not None and not isinstance(bound, SourceOnly) and (
+                        isinstance(bound, (type, _Imported)) or callable(bound))
+                    setattr(module, target.id, bound if aliased else _value(node.value, f"{name}.{target.id}"))
         elif isinstance(node, ast.ImportFrom):
             source = self._absolute(node, package)
             for alias in node.names:

@@ -41,7 +41,7 @@ from ..framework.flags import parse_switch
 from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Patch, Plan, combine
 from ..framework.surface import HANDOVER, Surface
-from ..spectpsync import callers_proof, engine_class, groups_proof, memory_probe_proof, selected_sites
+from ..spectpsync import built_class, callers_proof, engine_class, groups_proof, memory_probe_proof, selected_sites
 from ..spectpsync.sites import MEMORY, labels, spans
 
 NAME = "group_min_memory"
@@ -109,12 +109,15 @@ def check_upstream(engine, module, context) -> Plan:
     group on this deployment; else the pack makes SpecTpSync's probe the minimum over the
     group its caller passes. Refused when the engine's switch drops a memory site."""
     contract = Contract(NAME, module)
-    contract.params(UPSTREAM_PROBE, {"site": POSITIONAL, "device": POSITIONAL, "gpu_id": POSITIONAL, "group": KEYWORD_ONLY})
+    built, _ = built_class.of(contract)  # the class the workers build, whatever its name and home
+    owner, name = built_class.defining(contract, "available_memory_gb")
+    owner.params(f"{name}.available_memory_gb",
+                 {"site": POSITIONAL, "device": POSITIONAL, "gpu_id": POSITIONAL, "group": KEYWORD_ONLY})
     engine_class.memory_numbers(contract)
     try:
         what, selected = selected_sites.selected(contract, context, engine)
     except Refused as exc:  # the class is not shown to select by its switch: the pack's probe serves every site
-        if f":{engine_class.CLASS}" not in exc.symbol:
+        if f":{built.name}" not in exc.symbol and f":{engine_class.CLASS}" not in exc.symbol:
             raise  # the value itself: the engine would refuse it on every rank
         return _pack_probe(contract, engine, context, f"{exc.symbol}: {exc.problem}",
                            "the pack's probe reduces whichever site asks")
@@ -148,7 +151,8 @@ def check_upstream(engine, module, context) -> Plan:
 def _pack_probe(contract: Contract, engine, context, why_not: str, sites: str) -> Plan:
     """The pack's group minimum in place of SpecTpSync's probe, where the engine's is not shown."""
     helper = memory_probe_proof.prove_helper(contract, engine)  # what the pack's probe calls
-    owner = contract.attr(engine_class.CLASS)
+    home, name = built_class.defining(contract, "available_memory_gb")  # the class whose probe runs
+    owner = home.attr(name)
     return Plan("applied", f"{UPSTREAM_PROBE} made the minimum over the group its caller passes whenever that group "
                            f"has more than one rank (upstream's unreleased fix, sgl-project/sglang#39954) "
                            f"{groups_proof.judged_for(context.topology)}: the engine's own reduction is not shown to "

@@ -29,7 +29,7 @@ from ..framework.plan import Plan
 from ..framework.surface import SETTING, Surface
 from ..spectpsync import broadcast_proof, engine_class, groups_proof, handover, memory_probe_proof, selected_sites
 from ..framework.plan import combine
-from ..spectpsync.sites import MEMORY, PACK, PACK_PREFIX, REPORT_ONLY, labels, parse_selector, slug_of, spans
+from ..spectpsync.sites import MEMORY, PACK, REPORT_ONLY, labels, parse_selector, slug_of, spans, tokens
 
 NAME = "rank0_broadcast"
 FLAG = "DSV41_SPEC_TP_SYNC"
@@ -79,8 +79,8 @@ def _handover(engine, module, sites: frozenset, context) -> Plan:
     deployment's topology; the selection is handed to SGLANG_SPEC_TP_SYNC in the engine's
     own grammar (spectpsync.handover), keeping every site the engine would keep under it."""
     contract = Contract(NAME, module)
-    _no_collision(contract)
     raw = context.environ.get(FLAG) or _numbers(int(s) for s in sites)
+    _no_collision(contract, raw)
     value = handover.value(contract, raw, FLAG)
     mapped = selected_sites.selection(contract, value)
     theirs = context.environ.get(engine_class.ENGINE_FLAG)
@@ -130,13 +130,20 @@ def _engine_sites_on(module, handed: Plan, context) -> dict:
             if number in chosen}
 
 
-def _no_collision(contract) -> None:
-    """The pack's own site numbers and slugs are not the engine's (adapter.spectpsync.sites)."""
+def _no_collision(contract, raw: str) -> None:
+    """The user's selection names no token that both the engine and the pack claim. The pack's
+    own sites live under their own slugs ("pack-..."); where a release gives a site of its own
+    one of the pack's numbers or slugs, only a selection that names that token is ambiguous:
+    presets and every other token mean what they meant (adapter.spectpsync.sites)."""
+    named = {token.lstrip("-") for token in tokens(raw)}
     for name, number in engine_class.engine_sites(contract).items():
         for site in PACK | REPORT_ONLY:
-            if number == int(site) or name.lower().replace("_", "-").startswith(PACK_PREFIX):
-                raise contract.refuse(f"SpecTpSyncSite.{name}", f"is {number}: the engine now uses a number or slug "
-                                                                f"the pack keeps for its own site {site.label}")
+            clash = named & ({str(number)} & {str(int(site))} | {slug_of(name)} & {site.slug})
+            if clash:
+                raise contract.refuse(
+                    f"SpecTpSyncSite.{name}", f"is {number}:{slug_of(name)}, and {FLAG}={raw!r} names "
+                    f"{sorted(clash)[0]!r}, which is also the pack's own site {site.label}: name the pack's by its "
+                    f"slug ({site.slug}), or the engine's site by a preset")
 
 
 def check(engine, setting: frozenset, context) -> Plan:

@@ -97,30 +97,80 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+class _Rebinder:
+    """Copies of functions whose module globals see `helper` as HELPER: the class's own, and
+    what they reach (a decorator's wrapped function in its closure, a staticmethod's function,
+    a module function called by name), each copied once. Nothing of the engine is changed."""
+
+    def __init__(self, helper):
+        self.helper, self.copies, self.spaces = helper, {}, {}
+
+    def space(self, globals_: dict) -> dict:
+        """The copy of a module's globals, HELPER replaced and its functions copied on demand."""
+        key = id(globals_)
+        if key not in self.spaces:
+            space = self.spaces[key] = dict(globals_)
+            if HELPER in space:
+                space[HELPER] = self.helper
+            for name, value in globals_.items():
+                if isinstance(value, types.FunctionType) and value.__globals__ is globals_ and name != HELPER:
+                    space[name] = self.function(value)
+        return self.spaces[key]
+
+    def value(self, value):
+        if isinstance(value, types.FunctionType):
+            return self.function(value)
+        if isinstance(value, (staticmethod, classmethod)) and isinstance(value.__func__, types.FunctionType):
+            return type(value)(self.function(value.__func__))
+        return value
+
+    def function(self, func: types.FunctionType) -> types.FunctionType:
+        if id(func) in self.copies:
+            return self.copies[id(func)][1]
+        self.copies[id(func)] = (func, func)  # under way (a closure that holds itself keeps the original)
+        cells = tuple(types.CellType(self.value(c.cell_contents)) if _filled(c) else types.CellType()
+                      for c in func.__closure__ or ())
+        made = types.FunctionType(func.__code__, self.space(func.__globals__), func.__name__, func.__defaults__,
+                                  cells or None)
+        made.__kwdefaults__, made.__dict__ = func.__kwdefaults__, dict(func.__dict__)
+        if "__wrapped__" in made.__dict__:
+            made.__wrapped__ = self.value(made.__wrapped__)
+        self.copies[id(func)] = (func, made)
+        return made
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
 def probe_class(cls, helper_calls: list, originals: dict):
-    """A throwaway subclass of `cls` whose own functions are copies of the engine's
-    (`originals` where the pack wrapped one) over globals in which the helper records its
-    calls; `cls` itself is left as it is."""
+    """A throwaway subclass of `cls` whose functions (its own and its engine bases') are
+    copies of the engine's (`originals` where the pack wrapped one) over globals in which the
+    helper records its calls, whatever reaches it: a decorator, a staticmethod, a module
+    function. `cls` itself is left as it is."""
     def helper(device, gpu_id, distributed=False, empty_cache=True, cpu_group=None):
         helper_calls.append((bool(distributed), cpu_group))
         return 1.0
 
-    namespace = {}
-    for name, value in vars(cls).items():
-        func = originals.get(name, value)
-        if isinstance(func, types.FunctionType):
-            copy = types.FunctionType(func.__code__, {**func.__globals__, HELPER: helper}, func.__name__,
-                                      func.__defaults__, func.__closure__)
-            copy.__kwdefaults__ = func.__kwdefaults__
-            namespace[name] = copy
+    rebind, namespace = _Rebinder(helper), {}
+    for owner in reversed(cls.__mro__[:-1]):  # the base's first, so that a subclass's own override them
+        for name, value in vars(owner).items():
+            value = originals.get(name, value) if owner is cls else value
+            if isinstance(value, (types.FunctionType, staticmethod, classmethod)):
+                namespace[name] = rebind.value(value)
     return type(cls.__name__, (cls,), namespace)
 
 
-def observe_module(module, values, originals=None) -> dict:
-    """The observation of `module` (a real spec_tp_sync module) for each of `values`."""
+def observe_module(module, values, originals=None, cls=None) -> dict:
+    """The observation of `cls` (the class the workers build; default `module.SpecTpSync`)
+    with the sites and parser of `module` (a real spec_tp_sync module), for each of `values`."""
     import torch
 
-    cls, sites = module.SpecTpSync, module.SpecTpSyncSite
+    cls, sites = cls or module.SpecTpSync, module.SpecTpSyncSite
     parse = getattr(module, "parse_spec_tp_sync", None)
     out = {"sites": {s.name: int(s) for s in sites}, "values": {}}
     helper_calls: list = []
@@ -270,10 +320,12 @@ _READS = (MODULE.replace(".", "/") + ".py", "sglang/srt/environ.py", "sglang/srt
           "sglang/srt/utils/common.py")
 
 
-def _key(tree: str) -> str:
-    """A tree as the child would run its class: the content of the files that decide it."""
-    digest = hashlib.sha256()
-    for name in _READS:
+def _key(tree: str, target: tuple = (MODULE, "SpecTpSync")) -> str:
+    """A tree as the child would run its class: the content of the files that decide it
+    (the class's own home among them) and which class it runs."""
+    digest = hashlib.sha256(json.dumps(list(target)).encode())
+    home = target[0].replace(".", "/") + ".py"
+    for name in _READS + ((home,) if home not in _READS else ()):
         try:
             with open(os.path.join(tree, name), "rb") as handle:
                 digest.update(handle.read())
@@ -283,11 +335,11 @@ def _key(tree: str) -> str:
     return digest.hexdigest()
 
 
-def observe_tree(tree: str, values) -> dict:
-    """The observation of the tree's class for `values`, made in a child interpreter kept per
-    tree; answers kept per content (_key) and value. Unobservable where the class cannot run
-    there."""
-    key = _key(tree)
+def observe_tree(tree: str, values, target: tuple = (MODULE, "SpecTpSync")) -> dict:
+    """The observation of the tree's class `target` ((module, name): the class the workers
+    build) for `values`, made in a child interpreter kept per tree; answers kept per content
+    (_key) and value. Unobservable where the class cannot run there."""
+    key = _key(tree, tuple(target))
     missing = [v for v in values if (key, json.dumps(v)) not in _answers]
     if missing:
         place = (os.path.realpath(tree), key)
@@ -297,7 +349,7 @@ def observe_tree(tree: str, values) -> dict:
                 _children.popitem(last=False)[1].close()
             child = _children[place] = _Child(str(tree))
         _children.move_to_end(place)
-        answer = child.ask(missing)
+        answer = child.ask({"values": missing, "target": list(target)})
         for value in missing:
             _answers[(key, json.dumps(value))] = (answer["sites"], answer["values"][json.dumps(value)])
     sites = _answers[(key, json.dumps(values[0]))][0] if values else {}
@@ -329,7 +381,10 @@ def _serve() -> None:
             answer = {"error": failure}
         else:
             try:
-                answer = observe_module(module, json.loads(line))
+                asked = json.loads(line)
+                home, name = asked["target"]
+                cls = getattr(importlib.import_module(home), name)
+                answer = observe_module(module, asked["values"], cls=cls)
             except Exception as exc:  # noqa: BLE001
                 answer = {"error": f"the class could not be run: {_error(exc)}"}
         sys.stdout.write(json.dumps(answer) + "\n")

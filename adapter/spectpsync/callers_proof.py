@@ -18,6 +18,7 @@ from typing import Optional
 from ..engine import census, proofs
 from ..engine.contract import Contract
 from .engine_class import CLASS, ENGINE_FLAG, ENVIRON, MODULE
+from . import built_class
 from .plain_source import relevant
 
 # Attributes of a SpecTpSync that nothing outside the class may write.
@@ -49,7 +50,7 @@ def _guarded(node, parents) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _engine_scan(files: tuple) -> tuple:
+def _engine_scan(files: tuple, built: tuple = (MODULE, CLASS)) -> tuple:
     """(problems, callers, writes): references in `files` (those holding SpecTpSync,
     tp_sync or the switch's name) that would change what SpecTpSync does; how many
     `.sync(...)` calls there are (each one passes a tensor the caller holds or uses the
@@ -57,10 +58,10 @@ def _engine_scan(files: tuple) -> tuple:
     ((place, literal value) pairs; a write that would replace a value set is a problem)."""
     problems, callers, writes = [], 0, []
     for module, path in files:
-        if module in (MODULE, ENVIRON):
+        if module in (MODULE, ENVIRON, built[0]):  # the class's own modules define it
             continue
         with open(path, "rb") as handle:
-            found, calls, written = _file_scan(module, handle.read())
+            found, calls, written = _file_scan(module, handle.read(), built[1])
         problems += [f"{path}:{line} {problem}" for line, problem in found]
         callers += calls
         writes += written
@@ -72,12 +73,12 @@ def _last_name(node) -> Optional[str]:
 
 
 @proofs.memo("spectpsync-file-scan")
-def _file_scan(module: str, data: bytes) -> tuple:
+def _file_scan(module: str, data: bytes, name: str = CLASS) -> tuple:
     """_engine_scan's findings in one file ((line, problem) pairs), by its text (the same
     file in another engine tree is read once)."""
     problems, callers, writes = [], 0, []
     try:
-        nodes = relevant(data.decode("utf-8"), _NEEDLES)  # the parse the other checks of the file share
+        nodes = relevant(data.decode("utf-8"), _NEEDLES + (name,))  # the parse the other checks of the file share
     except (SyntaxError, ValueError) as exc:
         return ((getattr(exc, "lineno", 0) or 0, "does not parse"),), 0, ()
     parents = dict(nodes)
@@ -91,15 +92,15 @@ def _file_scan(module: str, data: bytes) -> tuple:
             else:
                 shown = repr(value.value) if isinstance(value, ast.Constant) else "a computed value"
                 writes.append((f"{module.rpartition('.')[2]}.py:{line}", shown))
-        elif isinstance(node, ast.ClassDef) and any(_last_name(b) == CLASS for b in node.bases):
-            problems.append((line, f"subclasses {CLASS} ({node.name})"))
+        elif isinstance(node, ast.ClassDef) and any(_last_name(b) in (CLASS, name) for b in node.bases):
+            problems.append((line, f"subclasses {name} ({node.name}), which the workers do not build"))
         elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
                 if isinstance(target, ast.Attribute) and (target.attr in _OWN and "tp_sync" in ast.unparse(target.value)
-                                                          or _last_name(target.value) == CLASS):
+                                                          or _last_name(target.value) in (CLASS, name)):
                     problems.append((line, f"assigns {ast.unparse(target)}"))
         elif isinstance(node, ast.Call) and _last_name(node.func) == "setattr" and node.args and (
-                _last_name(node.args[0]) == CLASS or "tp_sync" in ast.unparse(node.args[0])):
+                _last_name(node.args[0]) in (CLASS, name) or "tp_sync" in ast.unparse(node.args[0])):
             problems.append((line, f"sets an attribute of {ast.unparse(node.args[0])}"))
         elif isinstance(node, ast.Attribute) and node.attr == "sync" and isinstance(node.ctx, ast.Load):
             call = parents.get(node)
@@ -124,17 +125,19 @@ def _held(node) -> bool:
     return isinstance(node, ast.Name)
 
 
-def _files(engine) -> tuple:
-    return tuple(sorted(census.files_holding(engine, (CLASS, "tp_sync", ENGINE_FLAG))))
+def _files(engine, name: str = CLASS) -> tuple:
+    return tuple(sorted(census.files_holding(engine, tuple(dict.fromkeys((CLASS, name, "tp_sync", ENGINE_FLAG))))))
 
 
 def prove_callers(contract: Contract, engine) -> int:
     """Nothing outside the class changes it; its callers read what it broadcasts; the engine
     sets its switch only where unset. How many callers there are; Refused naming the first
-    place that breaks one of these."""
-    problems, callers, _ = _engine_scan(_files(engine))
+    place that breaks one of these. The class is the one the workers build (built_class),
+    whatever it is called and wherever it lives."""
+    built, _ = built_class.of(contract)
+    problems, callers, _ = _engine_scan(_files(engine, built.name), (built.module, built.name))
     if problems:
-        raise contract.refuse(CLASS, f"cannot be shown to broadcast to every caller: {problems[0]}"
+        raise contract.refuse(built.name, f"cannot be shown to broadcast to every caller: {problems[0]}"
                                      + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     return callers
 

@@ -12,13 +12,14 @@ says which one it used.
 from __future__ import annotations
 
 import ast
+import types
 
 from ..engine.contract import Contract, Refused, source_proof
-from .engine_class import CLASS, DP_ATTENTION, MODULE, SPECULATIVE_HOOK
-from .plain_source import assigns, body, function, other, relevant
-
-WORKERS = {"sglang.srt.speculative.dspark_components.dspark_worker_v2": "DSparkWorkerV2",
-           "sglang.srt.speculative.dflash_worker_v2": "DFlashWorkerV2"}
+from ..engine.installed import from_source
+from . import built_class
+from .built_class import WORKERS
+from .engine_class import DP_ATTENTION, SPECULATIVE_HOOK
+from .plain_source import body, function, other
 BATCH, TP = "batch", "tp"  # the group a worker builds its SpecTpSync over (worker_groups)
 
 
@@ -71,42 +72,49 @@ def worker_groups(contract: Contract, engine) -> dict[str, str]:
     attention, so that it is the batch group on every deployment the engine starts);
     Refused when a worker builds it any other way."""
     groups = {}
+    built, home = built_class.of(contract)
     for name, worker in WORKERS.items():
         module = engine.module(name)
         if module is None:
             continue
         found = Contract(contract.adapter, module)
-        count, once, kept, group = _tp_sync_built(found, worker)
-        if not once:
-            raise found.refuse(CLASS, f"is built {count} times in {name}; expected once, with one group")
-        binding = getattr(module, CLASS, None)
-        if (getattr(binding, "__module__", None), getattr(binding, "__qualname__", None)) != (MODULE, CLASS):
-            raise found.refuse(CLASS, f"is not {MODULE}.{CLASS} in {name} ({binding!r})")
-        if not kept:
-            raise found.refuse(f"{worker}.__init__", f"no longer builds its one self._tp_sync = {CLASS}(...)")
+        callee, call = built_class.construction(found, worker)
+        if not callee:
+            raise found.refuse(f"{worker}.__init__", call)
+        group = _group_passed(call)
+        if group is None:
+            raise found.refuse(f"{worker}.__init__", f"builds {call}: expected one argument, the group")
+        if not from_source(module):  # what the worker's name holds at run time is the class shown
+            _holds_built(found, callee, home.attr(built.name), built)
         if _batch_group_rule(found, engine, group):
             groups[worker] = BATCH
         elif group in ("get_tp_group()", "get_parallel().tp_group", "parallel.tp_group") and worker == "DFlashWorkerV2" \
                 and _refuses_dflash_under_dp(found, engine):
             groups[worker] = TP
         else:
-            raise found.refuse(f"{worker}.__init__", f"builds {CLASS}({group}): not shown to be the group that runs "
+            raise found.refuse(f"{worker}.__init__", f"builds {call}: not shown to be the group that runs "
                                                      "one batch (get_dp_tp_group())")
     return groups
 
 
-@source_proof("spectpsync-tp-sync-built")
-def _tp_sync_built(found: Contract, worker: str) -> tuple:
-    """From the worker module's source: (how many times it calls SpecTpSync(...), whether that
-    is once with one argument and never as a method, whether `worker.__init__` keeps exactly
-    that call as its one self._tp_sync, the group expression passed)."""
-    built = found.calls(CLASS, method=False)
-    once = len(built) == 1 and not found.calls(CLASS, method=True) and len(built[0].node.args) == 1
-    if not once:
-        return len(built), False, False, None
-    kept = [node for node, _ in relevant(found.source(), ("_tp_sync",)) if assigns(node, "_tp_sync", "self")]
-    alone = built[0].function == f"{worker}.__init__" and len(kept) == 1 and ast.dump(kept[0].value) == ast.dump(built[0].node)
-    return 1, True, alone, ast.unparse(built[0].node.args[0])
+def _group_passed(call: str):
+    """The one positional argument of the construction `call`, None where there is not one."""
+    node = ast.parse(call, mode="eval").body
+    return ast.unparse(node.args[0]) if len(node.args) == 1 and not node.keywords else None
+
+
+def _holds_built(found: Contract, callee: str, cls, built) -> None:
+    """Installed: the worker module's `callee` is the class shown (or, a factory, an engine
+    function of the module the sources name), not something put there after import."""
+    value = found.module
+    for part in callee.split("."):
+        value = getattr(value, part, None)
+    if value is cls:
+        return
+    if isinstance(value, types.FunctionType) and built.via and any(
+            hop.endswith(f"{value.__module__}.{value.__name__}()") for hop in built.via):
+        return
+    raise found.refuse(callee, f"is {value!r} at run time, not {built.module}.{built.name} its sources build")
 
 
 def describe_groups(groups: dict) -> str:

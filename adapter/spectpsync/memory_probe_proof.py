@@ -20,10 +20,11 @@ from typing import Optional
 from ..engine.contract import Contract, source_proof
 from ..engine.installed import from_source
 from .callers_proof import prove_callers
-from .engine_class import CLASS, HELPER, HELPER_HOME, listed, memory_numbers
+from . import built_class
+from .engine_class import HELPER, HELPER_HOME, listed, memory_numbers
 from .groups_proof import spec_group_ranks
 from .observation import checked, said
-from .plain_source import body, function, live_class, live_function, other, params, plain_class
+from .plain_source import body, function, live_class, live_function, other, params, plain_class, wrappers
 
 EVERY, BATCH_ONLY = "every layout", "where a batch runs on several ranks"  # how far the engine's probe reaches
 
@@ -71,23 +72,26 @@ def probe_reach(contract: Contract, engine, run_with: Optional[str] = None) -> t
     (0.5.19 - 0.5.23), EVERY where it reduces over a capture group of two whatever its own
     group (upstream's fix, sgl-project/sglang#39954, recognised by what it does); Refused
     naming what is not shown."""
-    cls = plain_class(contract, CLASS)
+    built, home = built_class.of(contract)
+    cls = plain_class(home, built.name)
     helper = prove_helper(contract, engine)
     prove_callers(contract, engine)
     if not from_source(contract.module):
-        live_class(contract, cls)
+        live_class(home, cls, built.name)
     seen = checked(contract, run_with, "probe")
     memory = set(memory_numbers(contract).values()) & set(seen["selected"]["2"])
-    symbol = f"{CLASS}.available_memory_gb"
+    symbol = f"{built.name}.available_memory_gb"
     missed = sorted(memory - set(seen["reduced"]["2x2"]))
     if missed:
-        raise contract.refuse(symbol, f"does not reduce site(s) {listed(missed)} over a capture group of two ranks "
+        raise home.refuse(symbol, f"does not reduce site(s) {listed(missed)} over a capture group of two ranks "
                                       f"although it selects them ({said(run_with)}): the probe can stay per rank")
     every = not memory - set(seen["reduced"]["1x2"])
     how = ("over the capture group it is given whatever its own group, " if every else
            "over the capture group it is given where its own group has more than one rank (none in a group of one), ")
-    return [f"its own class, run with {said(run_with)}, reduces sites {listed(memory)} {how}through the engine "
-            "helper", helper], (EVERY if every else BATCH_ONLY)
+    wrapped = wrappers(home, built.name)
+    return [f"the class the workers build, {built.said()}, run with {said(run_with)}, reduces sites {listed(memory)} "
+            f"{how}through the engine helper" + (f" (what runs wrapped as its source says: {'; '.join(wrapped)})"
+                                                  if wrapped else ""), helper], (EVERY if every else BATCH_ONLY)
 
 
 def memory_reached(topology, groups: dict, reach: str = BATCH_ONLY) -> Optional[str]:

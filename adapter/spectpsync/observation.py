@@ -20,8 +20,8 @@ from typing import Optional
 
 from ..engine.contract import Contract, Refused, Undecided
 from ..engine.installed import from_source, version_of
-from . import behaviour
-from .engine_class import CLASS, ENGINE_FLAG
+from . import behaviour, built_class
+from .engine_class import ENGINE_FLAG
 
 _OBSERVED: dict = {}  # (the installed class and its functions, value) -> its observation
 
@@ -31,22 +31,23 @@ def observed(contract: Contract, values) -> dict:
     installed class run here, the pack's own wrappers looked through; a tree's in a child
     interpreter. Undecided where the tree's class cannot run here."""
     module, values = contract.module, list(dict.fromkeys(values))
+    built, home = built_class.of(contract)
     if from_source(module):
         try:
-            found = behaviour.observe_tree(str(module.__engine__.root), values)["values"]
+            found = behaviour.observe_tree(str(module.__engine__.root), values, (built.module, built.name))["values"]
         except behaviour.Unobservable as exc:
-            raise Undecided(contract.adapter, f"{contract.name}:{CLASS}",
+            raise Undecided(contract.adapter, f"{built.module}:{built.name}",
                             f"its class cannot be run from these sources in this interpreter ({exc}); each rank "
                             "runs it at launch", version_of(module)) from None
         return {value: found[json.dumps(value)] for value in values}
-    cls = contract.attr(CLASS)
+    cls = home.attr(built.name)
     originals = {name: engine_defined(cls, name) for name in vars(cls)}
     # the objects themselves, held by the key: an id could be reused by another class after this one is gone
-    key = (module, cls, tuple(sorted((name, value) for name, value in originals.items()
-                                     if isinstance(value, types.FunctionType))))
+    key = (module, cls, tuple(sorted((name, value) for owner in cls.__mro__[:-1] for name, value in (
+        originals.items() if owner is cls else vars(owner).items()) if isinstance(value, types.FunctionType))))
     missing = [value for value in values if (key, value) not in _OBSERVED]
     if missing:
-        found = behaviour.observe_module(module, missing, originals)["values"]
+        found = behaviour.observe_module(module, missing, originals, cls)["values"]
         _OBSERVED.update({(key, value): found[json.dumps(value)] for value in missing})
     return {value: _OBSERVED[(key, value)] for value in values}
 
@@ -85,18 +86,20 @@ def checked(contract: Contract, value: Optional[str], part: str = "") -> dict:
     seen = observed(contract, [value])[value]
     if value is not None and seen["parse_error"]:
         raise unparsed(contract, value, seen["parse_error"])
+    built, home = built_class.of(contract)
+    name = built.name
     if seen["built_error"]:
-        missing = re.search(rf"'{CLASS}' object has no attribute '(\w+)'", seen["built_error"])
-        symbol = f"{CLASS}.{missing.group(1)}" if missing else CLASS  # a method it no longer has, named
-        raise contract.refuse(symbol, f"built with {said(value)} it raises {seen['built_error']}")
+        missing = re.search(rf"'{name}' object has no attribute '(\w+)'", seen["built_error"])
+        symbol = f"{name}.{missing.group(1)}" if missing else name  # a method it no longer has, named
+        raise home.refuse(symbol, f"built with {said(value)} it raises {seen['built_error']}")
     if seen["problems"]:
-        raise contract.refuse(CLASS, f"run against its own code ({said(value)}): {seen['problems'][0]}")
+        raise home.refuse(name, f"run against its own code ({said(value)}): {seen['problems'][0]}")
     if part and seen[f"{part}_problems"]:
         method = {"sync": "sync", "probe": "available_memory_gb"}[part]
-        raise contract.refuse(f"{CLASS}.{method}", f"run against its own code ({said(value)}): "
-                                                   f"{seen[f'{part}_problems'][0]}")
+        raise home.refuse(f"{name}.{method}", f"run against its own code ({said(value)}): "
+                                              f"{seen[f'{part}_problems'][0]}")
     chosen = seen["selected"]["2"]
     if value is not None and chosen != seen["parse"]:
-        raise contract.refuse(CLASS, f"built with {said(value)} over two ranks it selects {chosen}, not what its "
-                                     f"parser reads ({seen['parse']}): it does not select by that variable")
+        raise home.refuse(name, f"built with {said(value)} over two ranks it selects {chosen}, not what its "
+                                f"parser reads ({seen['parse']}): it does not select by that variable")
     return seen

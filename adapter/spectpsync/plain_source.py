@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 import bisect
 import functools
+import importlib.util
 import os
+import sys
 import types
 from typing import Optional
 
@@ -41,20 +43,25 @@ def params(func: ast.FunctionDef) -> list[str]:
 
 
 def plain_class(contract: Contract, name: str) -> ast.ClassDef:
-    """The class's definition in the module's source: plain (no decorator, base or
-    metaclass), so that what runs is what its body says."""
+    """The class's one definition in the module's source. Its decorators, bases and its
+    methods' decorators refuse nothing: what runs is judged by running it (observation), and,
+    installed, by what the class really holds (live_class)."""
     found = [n for n in syntax.parse(contract.source()).body if isinstance(n, ast.ClassDef) and n.name == name]
     if len(found) != 1:
         raise contract.refuse(name, f"is defined {len(found)} times at module level; expected once")
-    node = found[0]
-    if node.decorator_list or node.keywords or any(ast.unparse(b) != "object" for b in node.bases):
-        extra = [ast.unparse(x) for x in (*node.decorator_list, *node.bases, *node.keywords)]
-        raise contract.refuse(name, f"is no longer a plain class ({', '.join(extra)}): what runs may not be its body")
-    for method in node.body:
-        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.decorator_list:
-            decorators = ", ".join("@" + ast.unparse(d) for d in method.decorator_list)
-            raise contract.refuse(f"{name}.{method.name}", f"is decorated ({decorators}): what runs is not the checked code")
-    return node
+    return found[0]
+
+
+def wrappers(contract: Contract, name: str) -> list[str]:
+    """What wraps the class and its methods in its source (decorators, bases), for reasons."""
+    node = plain_class(contract, name)
+    found = [f"{name}: {', '.join(ast.unparse(x) for x in (*node.decorator_list, *node.bases, *node.keywords))}"
+             ] if node.decorator_list or node.keywords or any(ast.unparse(b) != "object" for b in node.bases) else []
+    found += [f"{name}.{m.name}: " + ", ".join("@" + ast.unparse(d) for d in m.decorator_list)
+              for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.decorator_list]
+    found += [f"{name}.{ast.unparse(t)} = {ast.unparse(m.value)}" for m in node.body if isinstance(m, ast.Assign)
+              and isinstance(m.value, ast.Call) for t in m.targets]
+    return found
 
 
 def method(contract: Contract, cls: ast.ClassDef, name: str) -> ast.FunctionDef:
@@ -114,20 +121,60 @@ def live_function(contract: Contract, func, name: str, line: int, qualname: Opti
                                         "or wrapped it after import")
 
 
-def live_class(contract: Contract, cls_node: ast.ClassDef) -> None:
-    """The installed class is the checked source's: its methods the functions compiled from
-    it, nothing added since."""
-    cls = contract.attr(CLASS)
-    if type(cls) is not type or cls.__mro__[1:] != (object,):
-        raise contract.refuse(CLASS, f"has another metaclass or base at run time ({type(cls)!r}, {cls.__mro__!r})")
-    defined = {n.name: n for n in cls_node.body if isinstance(n, ast.FunctionDef)}
+def _layers(value) -> list:
+    """A class attribute and what it wraps: a staticmethod's or classmethod's function, each
+    `__wrapped__`, and the functions a decorator's closure holds."""
+    found, todo = [], [value]
+    while todo:
+        item = todo.pop()
+        if any(item is seen for seen in found):
+            continue
+        found.append(item)
+        if isinstance(item, (staticmethod, classmethod)):
+            todo.append(item.__func__)
+        if getattr(item, "__wrapped__", None) is not None:
+            todo.append(item.__wrapped__)
+        for cell in getattr(item, "__closure__", None) or ():
+            try:
+                held = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(held, types.FunctionType):
+                todo.append(held)
+    return found
+
+
+def live_class(contract: Contract, cls_node: ast.ClassDef, name: str = CLASS) -> None:
+    """The installed class is what the engine's sources make of it: each class of its MRO and
+    each function it holds (what decorators wrap included) compiled from a file of the engine's
+    own package, its `def`s those of the checked source; nothing replaced, wrapped or added
+    from outside the engine after import (the pack's own wrappers looked through)."""
+    cls = contract.attr(name)
+    package = os.path.dirname(os.path.realpath(importlib.util.find_spec("sglang").origin)) + os.sep
+    homes = {os.path.realpath(getattr(sys.modules.get(c.__module__), "__file__", None) or "") for c in cls.__mro__[:-1]}
+    # the engine's package, or the very file an engine module of the class was loaded from
+    engine_file = lambda path: os.path.realpath(path).startswith(package) or os.path.realpath(path) in homes  # noqa: E731
+    for owner in cls.__mro__[:-1]:
+        source = getattr(sys.modules.get(owner.__module__), "__file__", None)
+        if not owner.__module__.startswith("sglang.") or not source:
+            raise contract.refuse(name, f"has {owner!r} in its MRO, which is not the engine's own code")
+    defined = {n.name: n for n in cls_node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     gone = sorted(set(defined) - set(vars(cls)))
     if gone:
-        raise contract.refuse(f"{CLASS}.{gone[0]}", "was removed from the class at run time")
-    for name, value in vars(cls).items():
-        value = engine_defined(cls, name)
-        if name in defined:
-            live_function(contract, value, name, defined[name].lineno, f"{CLASS}.{name}")
-        elif callable(value) or hasattr(value, "__get__") and not isinstance(value, (str, type(None))):
-            if name not in ("__dict__", "__weakref__", "__doc__", "__module__"):
-                raise contract.refuse(f"{CLASS}.{name}", "was added at run time; its source defines no such method")
+        raise contract.refuse(f"{name}.{gone[0]}", "was removed from the class at run time")
+    for owner in cls.__mro__[:-1]:
+        for attr in vars(owner):
+            value = engine_defined(owner, attr)
+            for layer in _layers(value):
+                code = getattr(layer, "__code__", None)
+                if code is not None and not engine_file(code.co_filename):
+                    raise contract.refuse(f"{owner.__qualname__}.{attr}", f"is {value!r}, compiled from "
+                                          f"{code.co_filename}: not the engine's own code (replaced or wrapped after import)")
+            if owner is cls and attr in defined:
+                node = defined[attr]
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                inner = [layer for layer in _layers(value) if getattr(layer, "__code__", None) is not None
+                         and layer.__code__.co_firstlineno == first and layer.__name__ == attr]
+                if not inner:
+                    raise contract.refuse(f"{name}.{attr}", f"is {value!r}, not the function its source defines at "
+                                                            f"line {node.lineno}: something replaced it after import")
