@@ -123,3 +123,41 @@ def definition(path: pathlib.Path, name: str) -> str:
     while end < len(lines) and not lines[end].strip():
         end += 1
     return "".join(lines[node.lineno - 1:end])
+
+
+RENAMED = "compress_ring_write_bound"
+HOME = "srt/mem_cache/compress_ring.py"
+
+
+def renamed(tree: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+    """A copy of `tree` (0.5.18+) whose pad function has another name, in the pool and where
+    the configurator imports and calls it: the same code."""
+    root = copy_tree(tree, into)
+    for relative in (POOL, CONFIGURATOR):
+        text = (root / "sglang" / relative).read_text(encoding="utf-8")
+        edit(root, relative, *[(line, line.replace("get_compress_state_write_pad", RENAMED))
+                               for line in dict.fromkeys(l for l in text.splitlines(keepends=True)
+                                                         if "get_compress_state_write_pad" in l)])
+    return root
+
+
+def moved(tree: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+    """A copy of `tree` (0.5.18+) whose pad function moved to another module under another
+    name, the pool importing it back under its old name (the configurator still imports it
+    from the pool): the same code."""
+    root = copy_tree(tree, into)
+    function = definition(root / "sglang" / POOL, "get_compress_state_write_pad")
+    (root / "sglang" / HOME).write_text('"""The compress-state ring\'s sizes."""\n\n\n'
+                                        + function.replace("get_compress_state_write_pad", RENAMED), encoding="utf-8")
+    edit(root, POOL, (function, ""),
+         ("\n\nclass DeepSeekV4SingleKVPool(KVCache):\n",
+          f"\n\nfrom sglang.srt.mem_cache.compress_ring import {RENAMED} as get_compress_state_write_pad  # noqa: E402\n\n\n"
+          "class DeepSeekV4SingleKVPool(KVCache):\n"))
+    return root
+
+
+def without_kernel(tree: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+    """A copy of `tree` without the plan kernel's source (a tree of Python sources only)."""
+    root = copy_tree(tree, into)
+    (root / "sglang" / KERNEL).unlink(missing_ok=True)
+    return root

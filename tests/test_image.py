@@ -300,7 +300,7 @@ def test_bare_run_prints_the_doctor_report(runs):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"verdict: ok (exit 0)\n\nsglang {ENGINE}\n")
     assert "every TP rank loads the pack through the engine's plugin loader" in done.stdout
-    states = [line.split()[3] for line in done.stdout.splitlines()[4:7]]  # under the engine header and the table's
+    states = [line.split()[3] for line in done.stdout.splitlines()[6:9]]  # under the verdict, the engine header and the table's
     assert states == ["off", "off", "off"], done.stdout
     # doctor decides and reports; it applies nothing, so no process line says APPLIED.
     assert "[sglang-adapters] pid=" not in done.stderr

@@ -92,6 +92,10 @@ def trees(tmp_path_factory):
         "0.5.17 + kernel + Python pad only": write_pad.added(with_kernel, base / "added-python", kernel=False),
         "0.5.18 - pad": write_pad.removed(release_sources("0.5.18"), base / "removed-18"),
         "0.5.23 - pad": write_pad.removed(release_sources("0.5.23"), base / "removed-23"),
+        "0.5.23 pad renamed": write_pad.renamed(release_sources("0.5.23"), base / "renamed-23"),
+        "0.5.23 pad moved": write_pad.moved(release_sources("0.5.23"), base / "moved-23"),
+        "0.5.17 + pad, no kernel source": write_pad.added(
+            write_pad.without_kernel(release_sources("0.5.17"), base / "no-kernel"), base / "no-kernel-pad"),
     }
     shutil.rmtree(base, ignore_errors=True)
 
@@ -136,7 +140,9 @@ def test_the_window_not_on_the_command_line_is_decided_at_launch(deployments):
 
 @pytest.mark.parametrize("tree,want", [
     ("0.5.17 + pad", "superseded"), ("0.5.17 + kernel + pad", "superseded"), ("0.5.17 + kernel", "judged"),
-    ("0.5.18 - pad", "judged"), ("0.5.23 - pad", "judged"), ("0.5.17 + kernel + Python pad only", "refused"),
+    ("0.5.18 - pad", "judged"), ("0.5.23 - pad", "judged"), ("0.5.17 + kernel + Python pad only", "judged"),
+    ("0.5.23 pad renamed", "superseded"), ("0.5.23 pad moved", "superseded"),
+    ("0.5.17 + pad, no kernel source", "decided at launch"),
 ])
 def test_doctored_trees(trees, deployments, tree, want):
     engine = SourceEngine(trees[tree])
@@ -148,14 +154,18 @@ def test_doctored_trees(trees, deployments, tree, want):
         else:
             assert outcome.state == want, (tree, name, outcome.reason)
     reason = decide(engine, deployments["block 6"]).reason
-    if "kernel" in tree:  # read from the kernel's own source where the tree ships it
+    if "kernel" in tree and "no kernel" not in tree:  # read from the kernel's own source where the tree ships it
         assert "c_plan.cuh: mtp_pad = " in reason
-    if tree == "0.5.17 + kernel":
+    if tree in ("0.5.17 + kernel", "0.5.17 + kernel + Python pad only"):  # the kernel's cap is the bound
         assert "mtp_pad = std::min(ring_size - compress_ratio, kMaxMTPDraftTokens) (capped at 4)" in reason
-    if want == "superseded":
+    if tree == "0.5.17 + kernel + Python pad only":
         assert "get_compress_state_write_pad(compress_ratio, ring_size) derives the pad from the ring" in reason
-    if want == "refused":
-        assert "the Python mirror and the plan kernel disagree on the write pad" in reason
+    if want == "superseded":  # found from the configurator's call, wherever it lives and whatever its name
+        pad = {"0.5.23 pad renamed": "deepseek_v4_memory_pool.compress_ring_write_bound",
+               "0.5.23 pad moved": "compress_ring.compress_ring_write_bound"}.get(tree, "get_compress_state_write_pad")
+        assert f"{pad}(compress_ratio, ring_size) derives the pad from the ring" in reason, reason
+    if want == "decided at launch":  # the Python mirror alone never shows it
+        assert "the kernel's source is not in this tree" in reason and "each rank judges" in reason, reason
 
 
 def test_the_installed_kernel_is_read(deployments):

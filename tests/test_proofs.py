@@ -233,3 +233,80 @@ def test_processes_writing_at_once_leave_only_whole_entries(tmp_path):
         out, err = writer.communicate(timeout=120)
         assert (writer.returncode, out.strip()) == (0, "[]"), err
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+# --- a proof kept is a proof only where nobody else could have written it ----------------------------
+
+def _forged_tree(tmp_path):
+    """0.5.23 whose GroupCoordinator.broadcast returns a private copy: a fresh proof refuses
+    the engine's own broadcast (DSV41_SPEC_TP_SYNC)."""
+    from harness import next_release
+
+    root = next_release.tree(tmp_path / "tree", (), "0.5.23")
+    next_release.edit(root, "srt/distributed/parallel_state.py",
+                      ("            )\n        return input_\n\n    def broadcast_object",
+                       "            )\n        return input_.clone()\n\n    def broadcast_object"))
+    return root
+
+
+def _forge(folder, root) -> None:
+    """What another user would write: the entry that says the group broadcast was shown."""
+    source = (root / "sglang/srt/distributed/parallel_state.py").read_text(encoding="utf-8")
+    name, material = proofs._name("spectpsync-shown", proofs.key_of(("group broadcast", source)))
+    import hashlib
+    import marshal
+
+    payload = marshal.dumps((material, True))
+    (folder / name).write_bytes(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+    return folder / name
+
+
+def _judge(root, folder, monkeypatch, capsys):
+    """The decision on `root` with the cache in `folder`, and the lines the process said."""
+    from sglang_dsv41_adapters.engine.source_engine import SourceEngine
+
+    monkeypatch.setenv(proofs.ENV, str(folder))
+    proofs.forget()
+    capsys.readouterr()
+    outcome = runtime.decide({"DSV41_SPEC_TP_SYNC": "all"}, SourceEngine(root), names=("rank0_broadcast",),
+                             topology=Topology(4, attn_dp_size=1)).outcomes[0]
+    return outcome, capsys.readouterr().err.splitlines()
+
+
+def test_a_forged_entry_is_used_only_where_no_other_user_could_have_written_it(tmp_path, monkeypatch, capsys):
+    root = _forged_tree(tmp_path)
+    fresh, _ = _judge(root, "off", monkeypatch, capsys)
+    assert fresh.state == runtime.REFUSED and "GroupCoordinator.broadcast: no longer broadcasts its input" in fresh.reason
+    # In a folder of this user's own the entry is trusted: the forgery would work there (the test is not vacuous).
+    own = tmp_path / "own"
+    own.mkdir(mode=0o755)
+    os.chmod(own, 0o755)
+    _forge(own, root)
+    trusted, _ = _judge(root, own, monkeypatch, capsys)
+    assert trusted.state == runtime.SUPERSEDED, trusted.reason
+    # A world-writable folder (a shared cache any user can write): not used, said once, proven again.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    _forge(shared, root)
+    outcome, notes = _judge(root, shared, monkeypatch, capsys)
+    assert outcome.state == runtime.REFUSED and outcome.reason == fresh.reason
+    (note,) = [n for n in notes if str(shared) in n]
+    assert "can be written by other users (mode 777)" in note and "the proofs are made again" in note
+    # Nothing was written there either.
+    before = sorted(p.name for p in shared.iterdir())
+    _judge(_forged_tree(tmp_path / "again"), shared, monkeypatch, capsys)
+    assert sorted(p.name for p in shared.iterdir()) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="giving a file to another uid needs root")
+def test_an_entry_another_user_wrote_is_not_used(tmp_path, monkeypatch, capsys):
+    root = _forged_tree(tmp_path)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    os.chmod(folder, 0o755)
+    entry = _forge(folder, root)
+    os.chown(entry, 4242, 4242)  # another user's entry, in a folder this user owns
+    outcome, notes = _judge(root, folder, monkeypatch, capsys)
+    assert outcome.state == runtime.REFUSED and "GroupCoordinator.broadcast" in outcome.reason
+    assert any("belongs to uid 4242, not to this user" in n for n in notes), notes

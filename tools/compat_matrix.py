@@ -80,9 +80,11 @@ def release_wheel(version: str) -> pathlib.Path:
 
 def source_tree(version: str) -> pathlib.Path:
     tree = CACHE / "src" / version
-    if (tree / "sglang").is_dir():
+    if (tree / "sglang").is_dir() and (tree / ".kernel-sources").exists():
         return tree
-    return unpack_wheel(release_wheel(version), tree)
+    unpack_wheel(release_wheel(version), tree)  # again where a tree came without the kernel sources
+    (tree / ".kernel-sources").touch()
+    return tree
 
 
 LAYOUTS = {"any": None, **topology.REPRESENTATIVE}

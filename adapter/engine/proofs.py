@@ -30,6 +30,7 @@ import hashlib
 import marshal
 import os
 import pathlib
+import stat
 import sys
 import tempfile
 import time
@@ -118,8 +119,46 @@ def _name(kind: str, key: tuple) -> tuple[str, str]:
     return f"{kind}-{digest(material)}", material
 
 
+def _untrusted(path: pathlib.Path, *, entry: bool = False) -> Optional[str]:
+    """Why `path` is not to be trusted, None where only this user (or root) could have written
+    it, as ssh's StrictModes and git's safe.directory judge: it and each folder above it owned
+    by root or this user and writable by no one else (a folder above may be, with its sticky
+    bit, as /tmp is: no one else can then replace what is in it)."""
+    me = os.getuid() if hasattr(os, "getuid") else None
+    if me is None:
+        return None  # no owners to compare on this platform
+    chain = [path] + list(path.parents)
+    for at, item in enumerate(chain):
+        try:
+            found = os.lstat(item)
+        except OSError:
+            return f"{item} cannot be read"
+        if found.st_uid not in (0, me):
+            return f"{item} belongs to uid {found.st_uid}, not to this user (uid {me}) or root"
+        sticky = stat.S_ISDIR(found.st_mode) and found.st_mode & stat.S_ISVTX
+        if found.st_mode & 0o022 and (at == 0 or not sticky):
+            return f"{item} can be written by other users (mode {stat.S_IMODE(found.st_mode):o})"
+        if at == 0 and entry and not stat.S_ISREG(found.st_mode):
+            return f"{item} is not a regular file"
+    return None
+
+
+def _trusted(folder: pathlib.Path, name: Optional[str] = None) -> bool:
+    """Whether the folder (and its entry `name`) may be read or written; said once per folder
+    where not: the proofs are made again, nothing of it is used."""
+    why = _untrusted(folder)
+    if why is None and name is not None:
+        why = _untrusted(folder / name, entry=True)
+    if why is not None:
+        _say(("untrusted", folder), f"proof cache: {folder} is not used: {why}; another user could have written what "
+                                    "it holds, so the proofs are made again (a folder of this user's own: {ENV})"
+                                    .replace("{ENV}", ENV))
+    return why is None
+
+
 def get(kind: str, key: tuple):
-    """The value stored for `key` (plain data: tuples, strings, numbers), or MISSING."""
+    """The value stored for `key` (plain data: tuples, strings, numbers), or MISSING. Only a
+    folder and entry no other user could have written are read (_untrusted)."""
     name, material = _name(kind, key)
     if name in _memory:
         return _memory[name]
@@ -127,6 +166,8 @@ def get(kind: str, key: tuple):
         try:
             data = (folder / name).read_bytes()
         except OSError:
+            continue
+        if not _trusted(folder, name):
             continue
         found = _decode(data, material)
         if found is MISSING:
@@ -161,7 +202,7 @@ def put(kind: str, key: tuple, value) -> None:
     _remember(name, value)
     payload = marshal.dumps((material, value))
     data = hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
-    where = folders()
+    where = [folder for folder in folders() if not folder.exists() or _trusted(folder)]  # the rest said once
     for folder in where:
         if _write(folder, name, data):
             return
@@ -172,8 +213,11 @@ def put(kind: str, key: tuple, value) -> None:
 
 def _write(folder: pathlib.Path, name: str, data: bytes) -> bool:
     try:
-        if str(folder) != IMAGE_FOLDER:
-            folder.mkdir(parents=True, exist_ok=True)
+        if str(folder) != IMAGE_FOLDER and not folder.exists():
+            folder.mkdir(parents=True)
+            os.chmod(folder, 0o755)  # whatever the umask: a folder others could write would not be trusted
+        if not _trusted(folder):
+            return False  # what another user could replace is not worth writing either
         handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
     except OSError:
         return False

@@ -395,12 +395,18 @@ def check_tree(tree: pathlib.Path) -> None:
                                         f"{_mib(TOTAL_LIMIT)} (adapter.engine.source_engine.TOTAL_LIMIT)")
 
 
+# Kernel sources an adapter reads (known_bad_config: the DeepSeek-V4 compress write plan),
+# unpacked beside the Python ones so that a verdict read from a wheel can rest on them.
+KERNEL_SOURCES = ("/csrc/deepseek_v4/c_plan.cuh",)
+
+
 def _wanted(info: zipfile.ZipInfo) -> bool:
-    """The engine's sources and its distribution metadata (the version, and the RECORD that
-    ties it to these sources); no binaries."""
+    """The engine's sources (its Python, and the kernel sources adapters read) and its
+    distribution metadata (the version, and the RECORD that ties it to these sources); no
+    binaries."""
     name = info.filename
     return not info.is_dir() and (
-        (name.startswith("sglang/") and name.endswith(".py"))
+        (name.startswith("sglang/") and name.endswith((".py", *KERNEL_SOURCES)))
         or (name.count("/") == 1 and name.endswith((".dist-info/METADATA", ".dist-info/RECORD"))))
 
 

@@ -14,16 +14,19 @@ sgl-project/sglang#33872). The fix, sgl-project/sglang#34189, derives the pad fr
 mirrors it in Python (`get_compress_state_write_pad` in the DeepSeek-V4 memory pool) and
 has the pool configurator refuse a window beyond it: the engine then guards itself.
 
-What this tree carries is read from its code, never its label:
-- the Python mirror: `get_compress_state_write_pad(compress_ratio, ring_size)` in the memory
-  pool, returning a value derived from `ring_size`, and the pool configurator calling it;
-- the kernel's own write plan, where the tree ships its source (an installed engine does;
-  the Python-only source trees the compatibility matrix reads do not): every `mtp_pad`
-  declaration in `c_plan.cuh`, derived from ring and window, or capped by a constant whose
-  value is then the bound.
-Mirror and kernel derive the pad: superseded. Neither does: the bound is the kernel's cap
-(upstream's 4 where the kernel's source is not in the tree). They disagree: refused, since
-the pack cannot tell which the verify step runs.
+What this tree carries is read from its code and judged by running it, never by its label
+or the names it uses:
+- the Python mirror: the function the pool configurator bounds the draft count with, found
+  from that call (through imports and aliases, wherever it lives, whatever its name) and run:
+  derived where it grows with the ring, else capped at its value;
+- the kernel's own write plan, where the tree ships its source (an installed engine does, and
+  so do the trees the compatibility matrix unpacks): every `mtp_pad` declaration in
+  `c_plan.cuh`, derived from ring and window, or capped by a constant whose value is then
+  the bound.
+Mirror and kernel derive the pad: superseded. The mirror derives it but the tree ships no
+kernel source: decided at launch (a rank reads its engine's), never superseded from the
+mirror alone. Otherwise the bound is the smaller cap (upstream's 4 where the kernel's source
+is not in the tree), and the deployment's verify window is judged against it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import pathlib
 import re
 from typing import NamedTuple, Optional
 
-from ..engine.contract import POSITIONAL, Contract, Undecided, target_modules
+from ..engine import syntax
+from ..engine.contract import Contract, Undecided, target_modules
+from ..engine.installed import from_source
 from ..engine.source_engine import small_text
 from ..framework.plan import Plan
 
@@ -88,21 +93,71 @@ def kernel(contract: Contract) -> Optional[Kernel]:
     return shapes.pop()
 
 
-def python_mirror(pool: Contract, configurator: Contract) -> tuple[bool, str]:
-    """Whether the Python side derives the pad and bounds the draft count with it, and how."""
-    if getattr(pool.module, PAD, None) is None:
-        if configurator.calls(PAD, method=False):
-            raise configurator.refuse(PAD, f"is called but {POOL} no longer defines it")
-        return False, f"no {PAD} in {POOL}"
-    pool.params(PAD, {"compress_ratio": POSITIONAL, "ring_size": POSITIONAL})
-    returned = [node for node in ast.walk(ast.parse(pool.function_source(PAD))) if isinstance(node, ast.Return)]
-    if not any(isinstance(n, ast.Name) and n.id == "ring_size" for r in returned for n in ast.walk(r)):
-        raise pool.refuse(PAD, "no longer returns a value derived from ring_size")
-    calls = configurator.calls(PAD, method=False)
-    if not calls or getattr(getattr(configurator.module, PAD, None), "__module__", None) != POOL:
-        return False, f"{POOL}.{PAD} is defined, but {CONFIGURATOR} bounds no draft count with it"
-    return True, (f"{POOL}.{PAD}(compress_ratio, ring_size) derives the pad from the ring; {CONFIGURATOR} bounds "
-                  f"the draft count with it (line {calls[0].line}: the engine refuses a verify window beyond it itself)")
+class Mirror(NamedTuple):
+    """The pad the pool configurator bounds the draft count with, run: `cap` None where it is
+    derived from the ring (it grows with ring_size), else its constant value."""
+
+    where: str
+    line: int
+    cap: Optional[int]
+
+    def describe(self) -> str:
+        how = ("derives the pad from the ring" if self.cap is None else f"caps the pad at {self.cap}")
+        return f"{self.where}(compress_ratio, ring_size) {how} ({CONFIGURATOR} bounds the draft count with it, line {self.line})"
+
+
+def _bound_call(configurator: Contract) -> Optional[tuple[str, int]]:
+    """(the callee, its line) of the configurator's `bound = f(x, y)` whose value a draft
+    count is compared with; None where no draft count is bounded so."""
+    for func in ast.walk(syntax.parse(configurator.source())):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        bounds = {t.id: node for node in ast.walk(func) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                  and len(node.value.args) == 2 for t in node.targets if isinstance(t, ast.Name)}
+        for compare in (n for n in ast.walk(func) if isinstance(n, ast.Compare)):
+            names = {n.id for n in ast.walk(compare) if isinstance(n, ast.Name)}
+            if any("draft" in name for name in names) and names & set(bounds):
+                node = bounds[sorted(names & set(bounds))[0]]
+                return ast.unparse(node.value.func), node.lineno
+    return None
+
+
+def _run_pad(engine, home: Contract, name: str):
+    """The pad function itself, to be called: the installed one, or, read from source, its
+    definition alone compiled (it is a small pure function: anything it needs beyond its
+    arguments and the builtins makes it unrunnable here)."""
+    if not from_source(home.module):
+        return getattr(home.module, name)
+    (node,) = [n for n in syntax.parse(home.source()).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    node = ast.FunctionDef(**{**node.__dict__, "decorator_list": [], "returns": None,
+                              "args": ast.arguments(**{**node.args.__dict__, "args": [ast.arg(a.arg) for a in node.args.args]})})
+    namespace: dict = {}
+    exec(compile(ast.fix_missing_locations(ast.Module([node], [])), home.module.__file__, "exec"), namespace)
+    return namespace[name]
+
+
+def python_mirror(engine, pool: Contract, configurator: Contract) -> Optional[Mirror]:
+    """The pad the configurator bounds the draft count with, wherever it lives and whatever its
+    name (followed from the call, through imports and aliases), judged by running it: derived
+    where it grows with the ring, else capped at its value. None where no draft count is
+    bounded (a tree before sgl-project/sglang#34189); Undecided where it cannot run here."""
+    found = _bound_call(configurator)
+    if found is None:
+        return None
+    callee, line = found
+    built = built_class.follow(configurator, engine, callee, function=True)
+    home = Contract(NAME, engine.module(built.module))
+    where = f"{built.module}.{built.name}"
+    try:
+        pad = _run_pad(engine, home, built.name)
+        small, large = pad(4, 16), pad(4, 64)  # the c4 ring and one four times as large
+    except Exception as exc:  # noqa: BLE001  (what it needs beyond its arguments is not here)
+        raise Undecided(NAME, where, f"the write pad the configurator bounds the draft count with (line {line}) cannot "
+                                     f"be run here ({type(exc).__name__}: {exc}); each rank runs its own",
+                        engine.version) from None
+    if not (isinstance(small, int) and isinstance(large, int)):
+        raise pool.refuse(where, f"returns {small!r}, not a token count")
+    return Mirror(where, line, None if large > small else large)
 
 
 def verify_window(args) -> tuple[Optional[int], str]:
@@ -117,21 +172,28 @@ def verify_window(args) -> tuple[Optional[int], str]:
 
 
 def plan(engine, context) -> Plan:
-    """Superseded where the tree derives the write pad; else the deployment's DSpark verify
-    window against the bound: allowed (applied, nothing patched), refused, or decided at
-    launch where the window is not known here."""
+    """Superseded where the tree's write plan and the configurator both derive the write pad;
+    decided at launch where the tree ships no kernel source to show the plan's; else the
+    deployment's DSpark verify window against the smaller of the bounds: allowed (applied,
+    nothing patched), refused, or decided at launch where the window is not known here."""
     modules = target_modules(NAME, engine, ((POOL, True), (CONFIGURATOR, True)))
     pool, configurator = Contract(NAME, modules[POOL]), Contract(NAME, modules[CONFIGURATOR])
-    (derived, mirror), pad = python_mirror(pool, configurator), kernel(pool)
+    mirror, pad = python_mirror(engine, pool, configurator), kernel(pool)
     said = pad.describe() if pad is not None else "the kernel's source is not in this tree"
-    if derived and (pad is None or pad.cap is None):
-        return Plan("superseded", f"the engine derives the DeepSeek-V4 compress write pad itself: {mirror}; {said}",
-                    short_reason=f"the engine derives the compress write pad from its ring and bounds the window ({PAD})")
-    if derived or (pad is not None and pad.cap is None):
-        raise pool.refuse(PAD, f"the Python mirror and the plan kernel disagree on the write pad ({mirror}; {said}): "
-                               "the pack cannot tell which a verify step runs")
-    bound = pad.cap if pad is not None else UPSTREAM_CAP
-    how = (f"this tree's compress write plan keeps at most {bound} draft tokens resident ({mirror}; "
+    mirrored = mirror.describe() if mirror is not None else f"{CONFIGURATOR} bounds no draft count with a write pad"
+    if mirror is not None and mirror.cap is None:
+        if pad is None:
+            raise Undecided(NAME, f"{POOL}:{KERNEL.rpartition('/')[2]} mtp_pad",
+                            f"{mirrored}, but {said}: the write plan a verify step runs cannot be shown from here; "
+                            "each rank judges its own engine's", engine.version)
+        if pad.cap is None:
+            return Plan("superseded", f"the engine derives the DeepSeek-V4 compress write pad itself: {mirrored}; the "
+                                      f"engine refuses a verify window beyond it itself; {said}",
+                        short_reason="the engine derives the compress write pad from its ring and bounds the window")
+    caps = [c for c in (mirror.cap if mirror is not None else None, pad.cap if pad is not None else UPSTREAM_CAP)
+            if c is not None]
+    bound = min(caps)
+    how = (f"this tree's compress write plan keeps at most {bound} draft tokens resident ({mirrored}; "
            + (said if pad is not None else f"{said}: its cap before sgl-project/sglang#34189, kMaxMTPDraftTokens = "
                                            f"{UPSTREAM_CAP}") + ")")
     return _judge(engine, pool, bound, how, context)
@@ -162,4 +224,5 @@ def _judge(engine, pool: Contract, bound: int, how: str, context) -> Plan:
                            f"compressed attention is not affected: switch {FLAG} off there")
 
 
+from ..spectpsync import built_class  # noqa: E402  (follows a name through imports and aliases)
 from . import FLAG, NAME  # noqa: E402  (the package defines them before it imports this file)

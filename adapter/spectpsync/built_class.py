@@ -75,17 +75,17 @@ def _bound(contract: Contract, name: str, package: bool) -> tuple:
             found.append(("alias", ast.unparse(node.value)))
         elif isinstance(node, ast.FunctionDef) and node.name == name:
             returns = [s for s in ast.walk(node) if isinstance(s, ast.Return)]
-            if len(returns) == 1 and isinstance(returns[0].value, ast.Call):
-                found.append(("factory", ast.unparse(returns[0].value.func)))
-            else:
-                found.append(("unknown", f"function {name} does not return one construction"))
+            built = len(returns) == 1 and isinstance(returns[0].value, ast.Call)
+            found.append(("function", ast.unparse(returns[0].value.func) if built else None))
     if len(found) != 1:
         return ("unknown", f"{name} is bound {len(found)} times at module level")
     return found[0]
 
 
-def follow(contract: Contract, engine, expression: str, via: tuple = ()) -> Built:
-    """The class `expression` (a name, or module.name) names in `contract`'s module."""
+def follow(contract: Contract, engine, expression: str, via: tuple = (), function: bool = False) -> Built:
+    """The class `expression` (a name, or module.name) names in `contract`'s module, a
+    factory function followed to the class it builds; with `function`, the module-level
+    function it names."""
     for _ in range(_HOPS):
         head, _, rest = expression.partition(".")
         if rest:  # module.attr: an imported module's attribute
@@ -99,7 +99,7 @@ def follow(contract: Contract, engine, expression: str, via: tuple = ()) -> Buil
             via += (f"{contract.name}.{rest}",)
             continue
         kind = _binding(contract, expression)
-        if kind[0] == "class":
+        if kind[0] == ("function" if function else "class"):
             return Built(contract.name, expression, via)
         if kind[0] == "import":
             target = engine.module(kind[1])
@@ -107,11 +107,13 @@ def follow(contract: Contract, engine, expression: str, via: tuple = ()) -> Buil
                 raise contract.refuse(expression, f"is imported from {kind[1]}, which this engine does not have")
             contract, expression = Contract(contract.adapter, target), kind[2]
             via += (f"{kind[1]}.{kind[2]}",)
-        elif kind[0] in ("alias", "factory"):
-            via += (f"{contract.name}.{expression}" + ("()" if kind[0] == "factory" else ""),)
+        elif kind[0] == "alias" or kind[0] == "function" and kind[1]:
+            via += (f"{contract.name}.{expression}" + ("()" if kind[0] == "function" else ""),)
             expression = kind[1]
         else:
-            raise contract.refuse(expression, f"cannot be followed to the class that runs: {kind[1]}")
+            why = kind[1] if kind[0] == "unknown" else f"function {expression} does not return one construction"
+            raise contract.refuse(expression, f"cannot be followed to the {'function' if function else 'class'} "
+                                              f"that runs: {why}")
     raise contract.refuse(expression, f"is reached through more than {_HOPS} names: not followed further")
 
 

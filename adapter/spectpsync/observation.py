@@ -43,8 +43,9 @@ def observed(contract: Contract, values) -> dict:
     cls = home.attr(built.name)
     originals = {name: engine_defined(cls, name) for name in vars(cls)}
     # the objects themselves, held by the key: an id could be reused by another class after this one is gone
-    key = (module, cls, tuple(sorted((name, value) for owner in cls.__mro__[:-1] for name, value in (
-        originals.items() if owner is cls else vars(owner).items()) if isinstance(value, types.FunctionType))))
+    key = (module, cls, tuple((owner, name, value) for owner in cls.__mro__[:-1] for name, value in sorted(
+        (originals if owner is cls else vars(owner)).items(), key=lambda item: item[0])
+        if isinstance(value, types.FunctionType)))
     missing = [value for value in values if (key, value) not in _OBSERVED]
     if missing:
         found = behaviour.observe_module(module, missing, originals, cls)["values"]
