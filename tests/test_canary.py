@@ -328,6 +328,26 @@ def test_an_answer_that_differs_in_one_identifier_fails_with_the_first_differing
     assert in_order(out) and "FAIL" not in "".join(lines[7:])
 
 
+def test_the_readmes_sample_is_the_canarys_output(servers, capsys):
+    """README's "Rollout, canary, rollback" shows a run whose canary corrupted one identifier in its second run only:
+    every line that holds no timing (the reads, tokens/s) is what the canary prints for that case today."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("the canary having corrupted one identifier in its second run only:")
+    sample = [line.strip() for line in readme[start:readme.index("   ```\n\n", start)].split("```")[1].splitlines()
+              if line.strip()]
+    wrong = identifiers.make(3000, 0)[1233]
+    into = wrong[:3] + "X" + wrong[4:]
+    edit = corrupting(wrong, into)
+    base, new = servers(metrics=metrics()), servers(metrics=metrics(), answer=lambda p, n: edit(p, n) if n == 2 else
+                                                   echo(p, n))
+    code, out, err = canary(capsys, "--baseline", base.url, "--canary", new.url, *FAST)
+    assert code == 1
+    timed = re.compile(r"tokens/s|reads of /metrics|verify steps\)|decode tokens|^\.\.\. ranks")
+    lines = [line for line in out.splitlines() if not re.match(r"canary: ok rank [123]:", line)]
+    assert [line for line in sample if not timed.search(line)] == [line for line in lines if not timed.search(line)]
+    assert sample[4].split("; ")[0] == verdict_line(out).split("; ")[0]  # the verdict after the four FAIL lines
+
+
 NOISY_IDENTIFIER = identifiers.make(100, 0)[6]  # the 7th of the first prompt
 
 
@@ -570,7 +590,8 @@ def test_a_passing_verdict_in_json_names_every_figure(servers, capsys):
 
 
 def test_the_console_script_and_the_recipes_caller_exit_with_the_verdict(servers, tmp_path):
-    """canary.sh is a thin caller: the old environment names become the flags, more flags after --."""
+    """canary.sh is a thin caller: the old environment names become the flags, more flags after --; its status is
+    the verdict's, INCONCLUSIVE's too (not 0: a pipeline reads it as no pass)."""
     recipe = ROOT / "recipes" / "dsv41-flash-tp4-dspark" / "canary.sh"
     new = servers(metrics=metrics(accept=3.4))
     env = {**os.environ, "SGLANG_ADAPTERS": f"{sys.executable} {ROOT / 'entrypoint.py'}", "DURATION": "1",
@@ -581,6 +602,10 @@ def test_the_console_script_and_the_recipes_caller_exit_with_the_verdict(servers
     verdict = json.loads(done.stdout)
     assert verdict["settings"]["accept_floor"] == 3.5 and verdict["settings"]["window_s"] == 1
     assert "accept length 3.400 (server-wide: " in fails(verdict, "accept")[0][2]
+    idle = servers(metrics=metrics(verify_step=0, accept=0))  # a baseline without traffic
+    done = subprocess.run(["bash", str(recipe), idle.url, servers(metrics=metrics()).url, "--", "--no-outputs"],
+                          capture_output=True, text=True, env={**env, "ACCEPT_FLOOR": "3.0"}, timeout=120)
+    assert done.returncode == 3 and verdict_line(done.stdout).startswith("canary INCONCLUSIVE: "), done.stdout
 
 
 # --- the engine's own metrics (its collectors and route), and a real engine --------------------------------------------------------
