@@ -36,3 +36,23 @@ echo "setup: sglang 0.5.18 in $E18 (+ .engines/deps-0.5.18)"
 # Every release's sources for the compatibility matrix and the tests that read releases from source
 # (.engines/src; fetched once, about 250 MB of wheels the first time).
 "$VENV/bin/python" tools/compat_matrix.py --fetch
+# promtool, for the alert rules' unit tests (tests/test_monitoring.py): Debian's prometheus package at a pinned
+# version, fetched with apt (which checks it against the release's signed index) and only promtool unpacked into
+# .tools/: nothing installed system-wide, no service started. Where apt cannot get it, the test says why it skips.
+PROMETHEUS_DEB=2.42.0+ds-5+deb12u1
+PROMTOOL_DIR=.tools/prometheus-$PROMETHEUS_DEB
+if [ ! -x "$PROMTOOL_DIR/usr/bin/promtool" ] && command -v apt-get > /dev/null; then
+  fetched=$(mktemp -d)
+  download() { (cd "$fetched" && apt-get download -qq "prometheus=$PROMETHEUS_DEB") > /dev/null 2>&1; }
+  # a fresh machine may have no package lists yet; only root can fetch them
+  if download || { [ "$(id -u)" = 0 ] && apt-get update -qq > /dev/null 2>&1 && download; }; then
+    mkdir -p "$PROMTOOL_DIR"
+    dpkg-deb --fsys-tarfile "$fetched"/prometheus_*.deb | tar -x -C "$PROMTOOL_DIR" ./usr/bin/promtool
+  fi
+  rm -rf "$fetched"
+fi
+if [ -x "$PROMTOOL_DIR/usr/bin/promtool" ]; then
+  echo "setup: $("$PROMTOOL_DIR/usr/bin/promtool" --version 2>&1 | head -1) in $PROMTOOL_DIR"
+else
+  echo "setup: no promtool (apt could not fetch prometheus=$PROMETHEUS_DEB): tests/test_monitoring.py skips its rule tests"
+fi

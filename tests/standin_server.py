@@ -143,14 +143,16 @@ class Server:
 
 
 def metrics(accept=3.6, ranks=4, rank_accept=None, decode=None, running=1, queued=0, verify_step=100,
-            restart_at=None, hide=lambda rank, series, n: False):
+            restart_at=None, hide=lambda rank, series, n: False, pids=None):
     """The engine's series after n reads, in its exposition (HELP and TYPE as the engine's
     collectors declare them): the tokenizer's counters (one per server, by streaming), per rank
     the accept-length gauge, the decode token counter and the request gauges.
     decode(rank, n) -> that rank's decode tokens so far (default: all ranks alike);
     rank_accept(rank, n) -> its accept length gauge (a float('nan') is served as NaN);
     restart_at: from that read on the server counts from 0 again, as a restarted one does;
-    hide(rank, series, n) -> True leaves that rank's series out of the n-th read."""
+    hide(rank, series, n) -> True leaves that rank's series out of the n-th read;
+    pids(rank) -> the processes whose gauges that rank serves, each with its `pid` label, as prometheus_client's
+    multiprocess mode `all` serves a gauge (one sample per process file in the folder, a dead process's too)."""
     decode = decode or (lambda rank, n: 500 * n)
     rank_accept = rank_accept or (lambda rank, n: accept)
 
@@ -172,8 +174,12 @@ def metrics(accept=3.6, ranks=4, rank_accept=None, decode=None, running=1, queue
         for name, (kind, value, extra) in series.items():
             out += [f"# HELP {name} x", f"# TYPE {name} {kind}"]
             for r in range(ranks):
-                if not hide(r, name, n):
-                    out.append(f'{name}{{{LABELS},tp_rank="{r}",pp_rank="0",moe_ep_rank="0"{extra}}} {value(r)}')
+                if hide(r, name, n):
+                    continue
+                processes = pids(r) if pids and kind == "gauge" else [None]
+                for pid in processes:
+                    process = "" if pid is None else f',pid="{pid}"'
+                    out.append(f'{name}{{{LABELS},tp_rank="{r}",pp_rank="0",moe_ep_rank="0"{extra}{process}}} {value(r)}')
             if name == "sglang:realtime_tokens_total":
                 out += [f'{name}{{{LABELS},tp_rank="{r}",pp_rank="0",moe_ep_rank="0",mode="prefill_compute"}} '
                         f"{100 * alive}" for r in range(ranks)]

@@ -3,9 +3,10 @@ state), from outside both servers.
 
 For --window seconds it reads both servers' /metrics every --interval seconds and judges them
 (watch.py), saying one progress line per read on stderr. Meanwhile it sends a fixed prompt set to
-both, twice, at temperature 0 (outputs.py), which is also traffic for the metrics to judge
-where the servers have none of their own. Then one line per finding and `canary PASS` or `canary
-FAIL` on stdout, or with --json the verdict as one JSON object (docs/canary-verdict.schema.json).
+both, --rounds times, at temperature 0 (outputs.py), which is also traffic for the metrics to
+judge where the servers have none of their own. Then on stdout the FAIL and INCONCLUSIVE lines,
+the verdict line (`canary PASS`, `FAIL` or `INCONCLUSIVE`, with how much was compared), the notes
+and the `ok` lines; or with --json the verdict as one JSON object (docs/canary-verdict.schema.json).
 Exit statuses: verdict.EXIT_STATUSES."""
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"long generations (default 4, at most {len(outputs.LONG_PROMPTS)})")
     answers.add_argument("--long-tokens", metavar="N", type=count(1), default=512,
                          help="max_tokens of a long generation (default 512)")
+    answers.add_argument("--rounds", metavar="N", type=count(2), default=2,
+                         help="times the prompt set goes to each server (default 2): the baseline's runs measure its own "
+                              "run-to-run difference, and every run of the canary is judged")
+    answers.add_argument("--noise-max", metavar="R", type=share, default=0.05,
+                         help="the share of prompts, and of identifiers, the baseline's runs may answer differently "
+                              "before the answers are INCONCLUSIVE (default 0.05)")
     answers.add_argument("--seed", metavar="N", type=int, default=0,
                          help="makes the identifiers and is the requests' sampling seed (default 0)")
     answers.add_argument("--api", choices=("chat", "completions"), default="chat",
@@ -102,6 +109,16 @@ def positive(text: str) -> float:
         value = float("nan")
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share from 0 to 1")
     return value
 
 
@@ -212,10 +229,10 @@ class Run:
     def _ask(self, clients: dict) -> None:
         opts = self.opts
         prompts = outputs.prompt_set(opts.identifiers, opts.per_prompt, opts.long, opts.long_tokens, opts.seed)
-        say(f"outputs: {len(prompts)} prompts ({opts.identifiers} identifiers, {opts.long} long generations), two "
-            f"rounds to both servers, {opts.concurrency} in flight each")
-        runs = outputs.run_rounds(clients, prompts, 2, opts.concurrency, say)
-        found, body = outputs.compare(prompts, runs["baseline"], runs["canary"])
+        say(f"outputs: {len(prompts)} prompts ({opts.identifiers} identifiers, {opts.long} long generations), "
+            f"{opts.rounds} rounds to both servers, {opts.concurrency} in flight each")
+        runs = outputs.run_rounds(clients, prompts, opts.rounds, opts.concurrency, say)
+        found, body = outputs.compare(prompts, runs["baseline"], runs["canary"], opts.noise_max)
         self.findings += found
         self.outputs_body = {"api": opts.api, "model": clients["canary"].model, "seed": opts.seed, **body}
 
@@ -234,7 +251,7 @@ class Run:
                     self.watched[name].misses.append((time.time(), str(exc)))
             reads += 1
             elapsed = time.monotonic() - begin
-            waiting = " (the answers are still coming)" if elapsed >= self.opts.window else ""
+            waiting = " (the answers are still coming)" if elapsed >= self.opts.window and answering.is_alive() else ""
             say(f"canary: {elapsed:.0f}/{self.opts.window:.0f} s{waiting}: "
                 + "; ".join(watch.progress_line(w) for w in self.watched.values()))
             if elapsed >= self.opts.window and not answering.is_alive():
@@ -252,7 +269,8 @@ class Run:
                     "ranks": opts.ranks, "rank_tolerance": opts.rank_tolerance, "stall_s": opts.stall,
                     "accept_min": opts.accept_min, "rate_min": opts.rate_min, "identifiers": opts.identifiers,
                     "per_prompt": opts.per_prompt, "long": opts.long, "long_tokens": opts.long_tokens,
-                    "seed": opts.seed, "api": opts.api, "concurrency": opts.concurrency,
+                    "seed": opts.seed, "api": opts.api, "concurrency": opts.concurrency, "rounds": opts.rounds,
+                    "noise_max": opts.noise_max,
                     "metrics": not opts.no_metrics, "outputs": not opts.no_outputs}
         metrics = None
         if not opts.no_metrics and all(w.reads for w in self.watched.values()):
@@ -266,13 +284,27 @@ class Run:
                 "started": verdict.stamp(self.started), "ended": verdict.stamp(time.time()), "settings": settings,
                 "findings": [f.as_json() for f in self.findings], "metrics": metrics, "outputs": self.outputs_body}
 
+    def compared(self) -> str:
+        """What the verdict rests on, said on its line."""
+        parts = []
+        if self.outputs_body:
+            parts.append(outputs.compared_text(self.outputs_body["compared"]))
+        reads = [len(w.reads) for w in self.watched.values()]
+        if not self.opts.no_metrics and all(reads):
+            parts.append(f"{min(reads)} reads of /metrics" + (" each" if len(reads) > 1 else ""))
+        return "compared " + "; ".join(parts) if parts else ""
+
     def report(self, status: int) -> int:
         if self.opts.json:
             print(json.dumps(self.as_json(status), indent=2, allow_nan=False), flush=True)
         else:
-            for finding in self.findings:
+            problems, rest = verdict.ordered(self.findings)
+            for finding in problems:
                 print(finding.line())
-            print(verdict.last_line(status), flush=True)
+            print(verdict.verdict_line(status, self.compared() if status in verdict.NAMES else ""))
+            for finding in rest:
+                print(finding.line())
+            sys.stdout.flush()
         return status
 
 
@@ -302,4 +334,4 @@ def run(opts) -> int:
         canary.judge_window()
     if clients:
         answering.join()
-    return canary.report(verdict.EXIT_FAIL if verdict.failed(canary.findings) else verdict.EXIT_PASS)
+    return canary.report(verdict.status_of(canary.findings))

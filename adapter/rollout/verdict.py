@@ -1,9 +1,12 @@
 """What the canary found, as readable lines and as the JSON verdict for pipelines
 (docs/canary-verdict.schema.json, schema version SCHEMA_VERSION).
 
-Every finding is one line, `<server>: ok|FAIL|note <message>`, and one object in the JSON's
-`findings`; a FAIL fails the canary, a note is said and judges nothing (a baseline without
-traffic, a check that could not be made). The last line is `canary PASS` or `canary FAIL`."""
+Every finding is one line, `<server>: ok|FAIL|INCONCLUSIVE|note <message>`, and one object in
+the JSON's `findings`. A FAIL fails the canary; an INCONCLUSIVE says too little was compared to
+judge (and what to change), and makes the verdict INCONCLUSIVE unless something failed; a note
+is said and judges nothing. The problems come first, then the verdict line (`canary PASS`, `canary
+FAIL` or `canary INCONCLUSIVE`, with how much was compared), then the notes and the `ok` lines:
+a reader sees what is wrong before what held."""
 
 from __future__ import annotations
 
@@ -15,30 +18,33 @@ SCHEMA_VERSION = 1  # bump on any incompatible change of the JSON verdict
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
+EXIT_INCONCLUSIVE = 3  # too little compared to judge: never a pass (2 is argparse's own usage status)
 EXIT_USAGE = 64  # the pack's command line (sysexits EX_USAGE), as every other subcommand
 EXIT_UNREACHABLE = 75  # sysexits EX_TEMPFAIL: a server did not answer before anything was judged; try again
 EXIT_STATUSES = (
     (EXIT_PASS, "PASS: every check held"),
     (EXIT_FAIL, "FAIL: a check failed (each FAIL line says which, naming the server, rank and time)"),
+    (EXIT_INCONCLUSIVE, "INCONCLUSIVE: nothing failed, but too little was compared to judge (each INCONCLUSIVE line "
+                        "says what, and what to change); never a pass"),
     (EXIT_USAGE, "the command line: an unknown option or a value out of range"),
     (EXIT_UNREACHABLE, "a server did not answer at the start: nothing was judged"),
 )
 
-OK, FAIL, NOTE = "ok", "fail", "note"
+OK, FAIL, INCONCLUSIVE, NOTE = "ok", "fail", "inconclusive", "note"
+WORDS = {OK: "ok", FAIL: "FAIL", INCONCLUSIVE: "INCONCLUSIVE", NOTE: "note"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
     server: str  # "canary", "baseline", or "outputs" for the comparison of answers
     check: str
-    status: str  # OK, FAIL or NOTE
+    status: str  # OK, FAIL, INCONCLUSIVE or NOTE
     message: str
     rank: Optional[str] = None  # the TP rank it is about; "-" for a server-wide series
     time: Optional[float] = None  # seconds since the epoch, when it was seen
 
     def line(self) -> str:
-        word = {OK: "ok", FAIL: "FAIL", NOTE: "note"}[self.status]
-        return f"{self.server}: {word} {self.message}"
+        return f"{self.server}: {WORDS[self.status]} {self.message}"
 
     def as_json(self) -> dict:
         return {"server": self.server, "check": self.check, "status": self.status, "message": self.message,
@@ -55,14 +61,33 @@ def failed(findings) -> bool:
     return any(f.status == FAIL for f in findings)
 
 
+def status_of(findings) -> int:
+    """FAIL over INCONCLUSIVE over PASS."""
+    if failed(findings):
+        return EXIT_FAIL
+    return EXIT_INCONCLUSIVE if any(f.status == INCONCLUSIVE for f in findings) else EXIT_PASS
+
+
+def ordered(findings) -> tuple:
+    """(the problems: FAIL and INCONCLUSIVE, the rest: notes and ok), each in the order found."""
+    problems = [f for f in findings if f.status in (FAIL, INCONCLUSIVE)]
+    return problems, [f for f in findings if f.status not in (FAIL, INCONCLUSIVE)]
+
+
 def plural(count, word: str) -> str:
     return f"{count:g} {word}" + ("" if count == 1 else "s")
 
 
-def last_line(status: int) -> str:
-    return {EXIT_PASS: "canary PASS", EXIT_FAIL: "canary FAIL"}.get(status, "canary UNREACHABLE (nothing judged)")
+NAMES = {EXIT_PASS: "pass", EXIT_FAIL: "fail", EXIT_INCONCLUSIVE: "inconclusive"}
+
+
+def verdict_line(status: int, compared: str = "") -> str:
+    """`canary PASS|FAIL|INCONCLUSIVE`, with what was compared; UNREACHABLE when nothing was."""
+    if status not in NAMES:
+        return "canary UNREACHABLE (nothing judged)"
+    return f"canary {NAMES[status].upper()}" + (f": {compared}" if compared else "")
 
 
 def name(status: int) -> str:
     """The verdict's word in the JSON."""
-    return {EXIT_PASS: "pass", EXIT_FAIL: "fail"}.get(status, "unreachable")
+    return NAMES.get(status, "unreachable")

@@ -13,8 +13,8 @@ The canary also (the baseline is the pack off, where ranks may well diverge: tha
                rank 0's: ranks that commit different token counts diverge
   progress     no rank's decode tokens stand still for `stall_seconds` while requests run or wait
                (a wedged rank still answers /health)
-And against a baseline that had traffic: the canary's accept length and generated tokens per second
-at least a share of the baseline's. Counters are read as Prometheus' increase() reads them: a reset
+And against the baseline: the canary's accept length and generated tokens per second at least a
+share of the baseline's; a baseline without traffic leaves them uncompared (INCONCLUSIVE). Counters are read as Prometheus' increase() reads them: a reset
 adds the value after it, so the figures of a restarted server still count (the restart fails anyway)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import statistics
 from prometheus_client.utils import floatToGoString
 from typing import Optional
 
-from .exposition import COUNTERS, SERVER, series_name
-from .verdict import FAIL, NOTE, OK, Finding, stamp
+from .exposition import COUNTERS, SERIES, SERVER, series_name
+from .verdict import FAIL, INCONCLUSIVE, NOTE, OK, Finding, stamp
 
 PER_RANK = ("decode", "accept", "running", "queued")
 
@@ -271,10 +271,12 @@ def progress(watched: Watched, settings: Settings, start: float) -> list:
 
 def against_baseline(canary: Figures, baseline: Figures, settings: Settings) -> list:
     if baseline.verify_steps <= 0 or baseline.generated_tokens <= 0:
-        return [Finding("baseline", "traffic", NOTE,
+        return [Finding("baseline", "traffic", INCONCLUSIVE,
                         f"no traffic over the window ({baseline.generated_tokens:.0f} generated tokens, "
-                        f"{baseline.verify_steps:.0f} verify steps in {baseline.window_s:.0f} s): the canary is not "
-                        "compared with it")]
+                        f"{baseline.verify_steps:.0f} verify steps in {baseline.window_s:.0f} s): the canary's accept "
+                        "length and rate are not compared with it; send both servers the same traffic (the prompt set "
+                        "does, without --no-outputs) and check the baseline runs speculative decoding with "
+                        "--enable-metrics")]
     if canary.accept_length is None or canary.tokens_per_s is None:
         return [Finding("canary", "against", FAIL, "not compared with the baseline: the canary counted no verify steps")]
     accept, rate = canary.accept_length, canary.tokens_per_s
@@ -285,11 +287,27 @@ def against_baseline(canary: Figures, baseline: Figures, settings: Settings) -> 
                     f"{settings.rate_min:.2f}x)")]
 
 
+def per_process(watched: Watched) -> list:
+    """A note for each rank's gauge served per process (a `pid` label: multiprocess mode `all`), saying how it was read."""
+    seen: dict = {}
+    for read in watched.reads:
+        for key, each in read.processes.items():
+            seen.setdefault(key, set()).update(each)
+    found = []
+    for (what, rank), pids in sorted(seen.items(), key=lambda kv: (rank_order(kv[0][1]), kv[0][0])):
+        combined = "their mean judged, never their sum" if SERIES[what][2] == "mean" else "summed, as livesum serves it"
+        found.append(Finding(watched.name, "processes", NOTE,
+                             f"rank {rank}: {series_name(what)} served per process ({len(pids)} pids: "
+                             f"{', '.join(sorted(map(str, pids)))}; multiprocess mode all): {combined}", rank=rank))
+    return found
+
+
 def judge(canary: Watched, baseline: Optional[Watched], settings: Settings, start: float) -> list:
     """Every finding of the window, the canary's first."""
-    found = integrity(canary, start) + canary_checks(canary, settings, start)
+    found = integrity(canary, start) + canary_checks(canary, settings, start) + per_process(canary)
     if baseline is not None:
-        found += integrity(baseline, start) + against_baseline(figures(canary), figures(baseline), settings)
+        found += (integrity(baseline, start) + per_process(baseline)
+                  + against_baseline(figures(canary), figures(baseline), settings))
     return found
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The canary verdict: a thin caller of the pack's `sglang-adapters canary` (its --help says what it
-# judges; README.md "Rollout plan" shows its output).
+# judges; README.md "Rollout, canary, rollback" shows its output).
 #
 #   recipes/dsv41-flash-tp4-dspark/canary.sh [BASELINE_URL] CANARY_URL [-- MORE-FLAGS...]
 #   recipes/dsv41-flash-tp4-dspark/canary.sh http://localhost:30001 http://localhost:30002 -- --json
@@ -10,7 +10,8 @@
 # EXPECT_RANKS (--ranks, 4), STALL_SECONDS (--stall, 60), ACCEPT_MIN (--accept-min, 0.98),
 # RATE_MIN (--rate-min, 0.97). The command is SGLANG_ADAPTERS when set, else `sglang-adapters` where it
 # is installed, else the image's (IMAGE) on the host's network. Exit status: the command's (0 PASS,
-# 1 FAIL, 64 a bad flag, 75 a server that did not answer at the start).
+# 1 FAIL, 3 INCONCLUSIVE: too little compared to judge, never a pass, 64 a bad flag, 75 a server that did
+# not answer at the start); only 0 widens the rollout. In a cluster: k8s/analysistemplate.yaml.
 set -euo pipefail
 urls=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do urls+=("$1"); shift; done
