@@ -46,12 +46,11 @@ EXIT_FLAGS = 78  # sysexits EX_CONFIG
 EXIT_CANNOT_RUN, EXIT_NOT_FOUND = 126, 127  # as a shell says it
 EXIT_STATUSES = (
     (EXIT_OK, "checked and started (launch, wrapper: then the command's own status, unchanged); "
-              "doctor: no flag that is set or required refused (or --exit-zero)"),
+              "doctor: nothing set or required refused"),
     (EXIT_USAGE, "the pack's own command line: an unknown option, no command after --, "
                  "doctor --engine PATH missing or unreadable"),
     (EXIT_REFUSED, "refused: an engine that drifted from what an adapter needs, conflicting flags, "
-                   "ranks that would not load the pack; doctor: a flag that is set or --require'd refused, "
-                   "with --strict also ranks that could not load the pack with every flag off"),
+                   "ranks that would not load the pack (doctor --strict: even with every flag off)"),
     (EXIT_FLAGS, "a pack flag not understood: a DSV41_* value or name, or a name within two edits of a "
                  "flag (checked first; --help prints its help, then says so)"),
     (EXIT_CANNOT_RUN, "wrapper: COMMAND found but not executable"),

@@ -22,22 +22,23 @@ DRAFT_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "dspark_block_size": 5}  # as DeepSeek-V4-Flash-0731's draft checkpoint says
 
 
-def server_argv(model_dir: str, draft_dir: str, extra: list[str]) -> list[str]:
+def server_argv(model_dir: str, draft_dir: str, extra: list[str], draft_config: dict = DRAFT_CONFIG) -> list[str]:
     """A DSpark server's arguments (the engine accepts DSpark only on an accelerator device;
     nothing here touches one: the arguments are parsed and resolved, never run)."""
     from tests.agreement_cases import TINY_CONFIG
 
     pathlib.Path(model_dir, "config.json").write_text(json.dumps(TINY_CONFIG))
-    pathlib.Path(draft_dir, "config.json").write_text(json.dumps(DRAFT_CONFIG))
+    pathlib.Path(draft_dir, "config.json").write_text(json.dumps(draft_config))
     return ["--model-path", model_dir, "--skip-tokenizer-init", "--device", "cuda", "--tp-size", "4",
             "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", draft_dir, *extra]
 
 
-def deciders(rank, world_size, model_dir, draft_dir, source_tree, cases, through_plugin=False):
+def deciders(rank, world_size, model_dir, draft_dir, source_tree, cases, through_plugin=False, draft_config=None):
     """{case: {"doctor", "sources", "wrapper", "rank": (state, reason), "doctor_failed",
     "launch_refused", "rank_refused", "command", "resolved"}} for each case (name -> extra
     server arguments), and with `through_plugin` the refusal a Scheduler built through the
-    engine's plugin loader raises for the last case."""
+    engine's plugin loader raises for the last case. `draft_config`: the draft checkpoint's
+    config (default DRAFT_CONFIG, block size 5)."""
     from sglang_dsv41_adapters import cli
     from sglang_dsv41_adapters.engine.installed import InstalledEngine
     from sglang_dsv41_adapters.engine.source_engine import SourceEngine
@@ -52,7 +53,7 @@ def deciders(rank, world_size, model_dir, draft_dir, source_tree, cases, through
 
     out, server_args = {}, None
     for name, extra in cases.items():
-        argv = server_argv(model_dir, draft_dir, extra)
+        argv = server_argv(model_dir, draft_dir, extra, draft_config or DRAFT_CONFIG)
         command, judged = topology.from_command(["python3", "-m", "sglang.launch_server", *argv])
         server_args = rank_server_args(argv)
         resolved = topology.from_server_args(server_args)

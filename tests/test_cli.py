@@ -320,7 +320,7 @@ def test_doctor_json_matches_its_schema(args, env, verdict):
 
 def test_doctor_table_shows_an_empty_value_as_quotes():
     done = run_cli("doctor", DSV41_SPEC_TP_SYNC="", DSV41_FOLDED_FENCE="on")
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[3:7]}  # under the engine header
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[5:9]}  # under the verdict and the engine header
     assert rows["rank0_broadcast"][:4] == ["rank0_broadcast", "DSV41_SPEC_TP_SYNC", "''", "off"]
     assert rows["folded_fence"][:4] == ["folded_fence", "DSV41_FOLDED_FENCE", "'on'", "applied"]
 

@@ -141,8 +141,10 @@ def test_the_real_0_5_23_wheel_unpacks_within_the_limits(tmp_path):
     engine = open_engine(real, tmp_path)
     assert engine.version == "0.5.23"
     unpacked = [p for p in engine.root.rglob("*") if p.is_file()]
-    # Only the sources and the metadata (its RECORD ties it to them): no binaries.
-    assert all(p.suffix == ".py" or p.name in ("METADATA", "RECORD") for p in unpacked)
+    # Only the sources (the Python, and the kernel sources adapters read) and the metadata (its RECORD ties it
+    # to them): no binaries.
+    kernels = [p for p in unpacked if p.suffix not in (".py", "") and p.name not in ("METADATA", "RECORD")]
+    assert [str(p.relative_to(engine.root)) for p in kernels] == ["sglang/kernels/jit/csrc/deepseek_v4/c_plan.cuh"]
     assert len([p for p in unpacked if p.suffix == ".py"]) == len(sources)
     # Headroom the limits keep over the real release.
     assert max(i.file_size for i in sources) * 4 < source_engine.MEMBER_LIMIT

@@ -271,3 +271,16 @@ def test_off_unless_set_and_strict_values():
     assert off.outcomes[0].state == runtime.OFF and not off.refused
     bad = runtime.decide({known_bad_config.FLAG: "yes"}, engine, names=(known_bad_config.NAME,))
     assert bad.refused and bad.flag_errors and "DSV41_KNOWN_BAD_CONFIG='yes' is not understood" in bad.reasons[0]
+
+
+def test_a_rank_never_starts_unjudged():
+    """What doctor leaves to the launch, a rank must decide: where what reached its Scheduler
+    still does not say the window, the rank refuses instead of starting unjudged."""
+    engine = SourceEngine(release_sources("0.5.17"))
+    decision = runtime.decide(ON, engine, names=(known_bad_config.NAME,), topology=None)
+    assert decision.outcomes[0].state == runtime.AT_LAUNCH and not decision.refused
+    in_rank = runtime.judged_here(decision)
+    (outcome,) = in_rank.outcomes
+    assert outcome.state == runtime.REFUSED and in_rank.refused
+    assert outcome.reason.startswith(decision.outcomes[0].reason) and "a rank does not start unjudged" in outcome.reason
+    assert "a rank does not start unjudged" in str(in_rank.error())

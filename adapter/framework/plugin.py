@@ -36,7 +36,7 @@ def _apply_before_init(wrapped, instance, args, kwargs):
         deployment, judged = topology.from_server_args(server_args), "this rank's server_args"
     else:
         deployment, judged = None, "no server_args reached the Scheduler: every layout"
-    error = runtime.apply_once(os.environ, deployment, judged).error()
+    error = runtime.apply_once(os.environ, deployment, judged, rank=True).error()
     if error is not None:
         raise error
     return wrapped(*args, **kwargs)

@@ -366,8 +366,18 @@ def revert() -> None:
 _applied: Optional[Decision] = None
 
 
+def judged_here(decision: Decision) -> Decision:
+    """A rank's decision: "decided at launch" means this launch, so an outcome the rank still
+    cannot decide (what reached its Scheduler does not say enough) is refused: a rank never
+    starts unjudged."""
+    late = " this rank could not decide it from what reached its Scheduler either, and a rank does not start unjudged"
+    outcomes = tuple(replace(o, state=REFUSED, reason=f"{o.reason};{late}", short_reason=f"{o.short_reason};{late}")
+                     if o.state == AT_LAUNCH else o for o in decision.outcomes)
+    return replace(decision, outcomes=outcomes)
+
+
 def apply_once(environ: Mapping[str, str] = os.environ, topology: Optional[Topology] = None,
-               judged: str = "") -> Decision:
+               judged: str = "", rank: bool = False) -> Decision:
     """Decide and apply once per process (launcher, each rank) for the deployment's
     `topology` (each rank's from its server_args); one line per adapter.
     A refused decision is printed and returned unapplied: the caller stops the engine.
@@ -377,6 +387,8 @@ def apply_once(environ: Mapping[str, str] = os.environ, topology: Optional[Topol
     if _applied is None:
         with collector_paused():
             decision = decide(environ, topology=topology, judged=judged)
+            if rank:
+                decision = judged_here(decision)
             if not decision.refused:
                 apply(decision)
                 decision = replace(decision, problems=decision.problems + tuple(audit.problems(patching.applied(),

@@ -109,8 +109,8 @@ def check_upstream(engine, module, context) -> Plan:
     group on this deployment; else the pack makes SpecTpSync's probe the minimum over the
     group its caller passes. Refused when the engine's switch drops a memory site."""
     contract = Contract(NAME, module)
-    built, _ = built_class.of(contract)  # the class the workers build, whatever its name and home
-    owner, name = built_class.defining(contract, "available_memory_gb")
+    built, _ = built_class.of(contract, engine)  # the class the workers build, whatever its name and home
+    owner, name = built_class.defining(contract, "available_memory_gb", engine)
     owner.params(f"{name}.available_memory_gb",
                  {"site": POSITIONAL, "device": POSITIONAL, "gpu_id": POSITIONAL, "group": KEYWORD_ONLY})
     engine_class.memory_numbers(contract)
@@ -151,7 +151,7 @@ def check_upstream(engine, module, context) -> Plan:
 def _pack_probe(contract: Contract, engine, context, why_not: str, sites: str) -> Plan:
     """The pack's group minimum in place of SpecTpSync's probe, where the engine's is not shown."""
     helper = memory_probe_proof.prove_helper(contract, engine)  # what the pack's probe calls
-    home, name = built_class.defining(contract, "available_memory_gb")  # the class whose probe runs
+    home, name = built_class.defining(contract, "available_memory_gb", engine)  # the class whose probe runs
     owner = home.attr(name)
     return Plan("applied", f"{UPSTREAM_PROBE} made the minimum over the group its caller passes whenever that group "
                            f"has more than one rank (upstream's unreleased fix, sgl-project/sglang#39954) "

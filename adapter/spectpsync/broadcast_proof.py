@@ -63,21 +63,22 @@ def prove_broadcast(contract: Contract, engine, run_with: Optional[str] = None) 
     two ranks sync(site, t) broadcasts t itself once from rank 0 and returns it at exactly
     the sites enabled() selects under `run_with` (the value the ranks will read, None:
     unset). Refused naming what is not shown."""
-    built, home = built_class.of(contract)
+    built, home = built_class.of(contract, engine)
     cls = plain_class(home, built.name)
     _shown_once(("group broadcast", other(contract, engine, PARALLEL_STATE).source()),
                 lambda: _prove_group_broadcast(contract, engine))
     callers = prove_callers(contract, engine)
     if not from_source(contract.module):
         live_class(home, cls, built.name)
-    seen = checked(contract, run_with, "sync")
+    seen = checked(contract, run_with, "sync", engine)
     chosen, done = seen["selected"]["2"], seen["broadcast"]["2"]
     if chosen != done:
         raise home.refuse(f"{built.name}.sync", f"broadcasts sites {listed(done)} where enabled() selects "
                                                 f"{listed(chosen)} ({said(run_with)})")
     wrapped = wrappers(home, built.name)
-    return [f"the class the workers build, {built.said()}, run over a group of two ranks with {said(run_with)}, "
-            f"selects sites {listed(chosen)} and its sync(site, t) broadcasts t itself once from rank 0 and returns "
-            "it at exactly those" + (f" (what runs wrapped as its source says: {'; '.join(wrapped)})" if wrapped else ""),
+    return [f"its own class, run over a group of two ranks with {said(run_with)}, selects sites {listed(chosen)} and "
+            "its sync(site, t) broadcasts t itself once from rank 0 and returns it at exactly those; that class is "
+            f"the one the workers build, {built.said()}"
+            + (f" (what runs wrapped as its source says: {'; '.join(wrapped)})" if wrapped else ""),
             f"no other subclass or reassignment in the engine; its {callers} callers pass a tensor they hold or "
             "use what sync returns"]

@@ -121,8 +121,6 @@ def follow(contract: Contract, engine, expression: str, via: tuple = (), functio
 def construction(found: Contract, worker: str) -> tuple:
     """(the callee of the one `self._tp_sync = X(...)` in `worker.__init__`, the call's
     source) or ("", why there is not exactly one)."""
-    from .plain_source import assigns  # it imports observation, which needs this module
-
     tree = syntax.parse(found.source())
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == worker]
     init = [n for c in classes for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
@@ -132,6 +130,14 @@ def construction(found: Contract, worker: str) -> tuple:
         return "", (f"{worker}.__init__ no longer builds its one self._tp_sync = {CLASS}(...) "
                     f"({len(everywhere)} assignment(s) of self._tp_sync in the module)")
     return ast.unparse(inside[0].value.func), ast.unparse(inside[0].value)
+
+
+def assigns(node, attr: str, receiver: str) -> bool:
+    """`node` is an assignment to `<receiver>.attr` (among its targets)."""
+    targets = (node.targets if isinstance(node, ast.Assign) else
+               [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+    return any(isinstance(t, ast.Attribute) and t.attr == attr and ast.unparse(t.value) == receiver
+               for target in targets for t in ast.walk(target))
 
 
 def built_class(contract: Contract, engine) -> Built:
@@ -156,25 +162,27 @@ def built_class(contract: Contract, engine) -> Built:
     return max(found.values(), key=lambda b: len(b.via))  # the longest chain says the most
 
 
-def of(contract: Contract) -> tuple[Built, Contract]:
-    """(the class the workers build, a contract on its home module) for the engine that
-    `contract`'s module belongs to."""
+def _engine(contract: Contract, engine):
     from ..engine.installed import InstalledEngine
 
-    engine = getattr(contract.module, "__engine__", None) or InstalledEngine()
+    return engine or getattr(contract.module, "__engine__", None) or InstalledEngine()
+
+
+def of(contract: Contract, engine=None) -> tuple[Built, Contract]:
+    """(the class the workers build, a contract on its home module) in `engine` (default:
+    the engine `contract`'s module belongs to)."""
+    engine = _engine(contract, engine)
     built = built_class(contract, engine)
     home = contract if built.module == contract.name else Contract(contract.adapter, engine.module(built.module))
     return built, home
 
 
-def defining(contract: Contract, attr: str) -> tuple[Contract, str]:
+def defining(contract: Contract, attr: str, engine=None) -> tuple[Contract, str]:
     """(a contract on the module, the class's name) of the class in the built class's MRO
     that defines `attr`: what a patch of it must replace, and whose signature is checked."""
-    from ..engine.installed import InstalledEngine
-
-    engine = getattr(contract.module, "__engine__", None) or InstalledEngine()
-    built, home = of(contract)
+    engine = _engine(contract, engine)
+    built, home = of(contract, engine)
     cls = home.attr(built.name)
     owner = next((c for c in cls.__mro__[:-1] if attr in vars(c)), cls)
-    module = engine.module(owner.__module__)
+    module = home.module if owner.__module__ == home.name else engine.module(owner.__module__)
     return (home if module is None else Contract(contract.adapter, module)), owner.__qualname__

@@ -134,7 +134,7 @@ def prove_callers(contract: Contract, engine) -> int:
     sets its switch only where unset. How many callers there are; Refused naming the first
     place that breaks one of these. The class is the one the workers build (built_class),
     whatever it is called and wherever it lives."""
-    built, _ = built_class.of(contract)
+    built, _ = built_class.of(contract, engine)
     problems, callers, _ = _engine_scan(_files(engine, built.name), (built.module, built.name))
     if problems:
         raise contract.refuse(built.name, f"cannot be shown to broadcast to every caller: {problems[0]}"

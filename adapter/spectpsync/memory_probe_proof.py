@@ -72,13 +72,13 @@ def probe_reach(contract: Contract, engine, run_with: Optional[str] = None) -> t
     (0.5.19 - 0.5.23), EVERY where it reduces over a capture group of two whatever its own
     group (upstream's fix, sgl-project/sglang#39954, recognised by what it does); Refused
     naming what is not shown."""
-    built, home = built_class.of(contract)
+    built, home = built_class.of(contract, engine)
     cls = plain_class(home, built.name)
     helper = prove_helper(contract, engine)
     prove_callers(contract, engine)
     if not from_source(contract.module):
         live_class(home, cls, built.name)
-    seen = checked(contract, run_with, "probe")
+    seen = checked(contract, run_with, "probe", engine)
     memory = set(memory_numbers(contract).values()) & set(seen["selected"]["2"])
     symbol = f"{built.name}.available_memory_gb"
     missed = sorted(memory - set(seen["reduced"]["2x2"]))
@@ -89,9 +89,10 @@ def probe_reach(contract: Contract, engine, run_with: Optional[str] = None) -> t
     how = ("over the capture group it is given whatever its own group, " if every else
            "over the capture group it is given where its own group has more than one rank (none in a group of one), ")
     wrapped = wrappers(home, built.name)
-    return [f"the class the workers build, {built.said()}, run with {said(run_with)}, reduces sites {listed(memory)} "
-            f"{how}through the engine helper" + (f" (what runs wrapped as its source says: {'; '.join(wrapped)})"
-                                                  if wrapped else ""), helper], (EVERY if every else BATCH_ONLY)
+    return [f"its own class, run with {said(run_with)}, reduces sites {listed(memory)} {how}through the engine helper; "
+            f"that class is the one the workers build, {built.said()}"
+            + (f" (what runs wrapped as its source says: {'; '.join(wrapped)})" if wrapped else ""), helper], (
+        EVERY if every else BATCH_ONLY)
 
 
 def memory_reached(topology, groups: dict, reach: str = BATCH_ONLY) -> Optional[str]:

@@ -26,12 +26,12 @@ from .engine_class import ENGINE_FLAG
 _OBSERVED: dict = {}  # (the installed class and its functions, value) -> its observation
 
 
-def observed(contract: Contract, values) -> dict:
+def observed(contract: Contract, values, engine=None) -> dict:
     """value -> what the engine's SpecTpSync does built under it (spectpsync.behaviour): the
     installed class run here, the pack's own wrappers looked through; a tree's in a child
     interpreter. Undecided where the tree's class cannot run here."""
     module, values = contract.module, list(dict.fromkeys(values))
-    built, home = built_class.of(contract)
+    built, home = built_class.of(contract, engine)
     if from_source(module):
         try:
             found = behaviour.observe_tree(str(module.__engine__.root), values, (built.module, built.name))["values"]
@@ -81,13 +81,13 @@ def unparsed(contract: Contract, raw: str, error: str) -> Refused:
     return contract.refuse("parse_spec_tp_sync", f"cannot be run on {raw!r}: {error}")
 
 
-def checked(contract: Contract, value: Optional[str], part: str = "") -> dict:
+def checked(contract: Contract, value: Optional[str], part: str = "", engine=None) -> dict:
     """The observation under `value`, refused where the class is not shown to select by the
     variable or (`part`: "sync" or "probe") where that part misbehaved."""
-    seen = observed(contract, [value])[value]
+    seen = observed(contract, [value], engine)[value]
     if value is not None and seen["parse_error"]:
         raise unparsed(contract, value, seen["parse_error"])
-    built, home = built_class.of(contract)
+    built, home = built_class.of(contract, engine)
     name = built.name
     if seen["built_error"]:
         missing = re.search(rf"'{name}' object has no attribute '(\w+)'", seen["built_error"])

@@ -81,14 +81,6 @@ def function(contract: Contract, name: str) -> ast.FunctionDef:
     return found[0]
 
 
-def assigns(node, attr: str, receiver: str) -> bool:
-    """`node` is an assignment to `<receiver>.attr` (among its targets)."""
-    targets = (node.targets if isinstance(node, ast.Assign) else
-               [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-    return any(isinstance(t, ast.Attribute) and t.attr == attr and ast.unparse(t.value) == receiver
-               for target in targets for t in ast.walk(target))
-
-
 @functools.lru_cache(maxsize=64)
 def relevant(text: str, needles: tuple) -> tuple:
     """(node, parent) for the nodes of `text` whose lines hold one of `needles`, and the
@@ -152,6 +144,7 @@ def live_class(contract: Contract, cls_node: ast.ClassDef, name: str = CLASS) ->
     cls = contract.attr(name)
     package = os.path.dirname(os.path.realpath(importlib.util.find_spec("sglang").origin)) + os.sep
     homes = {os.path.realpath(getattr(sys.modules.get(c.__module__), "__file__", None) or "") for c in cls.__mro__[:-1]}
+    homes.add(os.path.realpath(contract.module.__file__))  # a copy of an engine module is its own home
     # the engine's package, or the very file an engine module of the class was loaded from
     engine_file = lambda path: os.path.realpath(path).startswith(package) or os.path.realpath(path) in homes  # noqa: E731
     for owner in cls.__mro__[:-1]:
@@ -169,7 +162,8 @@ def live_class(contract: Contract, cls_node: ast.ClassDef, name: str = CLASS) ->
                 code = getattr(layer, "__code__", None)
                 if code is not None and not engine_file(code.co_filename):
                     raise contract.refuse(f"{owner.__qualname__}.{attr}", f"is {value!r}, compiled from "
-                                          f"{code.co_filename}: not the engine's own code (replaced or wrapped after import)")
+                                          f"{code.co_filename}: not the function its source defines, nor the "
+                                          "engine's own code (something replaced or wrapped it after import)")
             if owner is cls and attr in defined:
                 node = defined[attr]
                 first = min([node.lineno, *(d.lineno for d in node.decorator_list)])

@@ -20,13 +20,15 @@ if [ "$DEST" = "$PWD" ]; then
   for p in /.gpu/ /.whl/ /.dist/; do grep -qx "$p" "$exclude" || echo "$p" >> "$exclude"; done
 fi
 rm -rf "$DEST/.gpu" "$DEST/.dist" && mkdir -p "$DEST/.gpu" "$DEST/.whl" "$DEST/.dist"
-cp -r bench/gpu/setup.sh bench/gpu/run.sh bench/gpu/stubs "$DEST/.gpu/"
+cp -r bench/gpu/setup.sh bench/gpu/run.sh bench/gpu/resolved_window.sh bench/gpu/stubs "$DEST/.gpu/"
 site=$(.venv/bin/python -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent)')
 # tar's status 1 is "a file changed as we read it": a hard link made to an engine file meanwhile (the tests'
 # next-release trees) changes its ctime, not its content
 sources() { find sglang -name '*.py' -print0 | { tar --null -T - --warning=no-file-changed -cJf - || [ $? -eq 1 ]; }; }
 (cd "$site" && sources) > "$DEST/.gpu/sglang-src.tar.xz"
 (cd .engines/sglang-0.5.18 && sources) > "$DEST/.gpu/sglang18-src.tar.xz"
+# sglang 0.5.17's .py sources (its ServerArgs resolution, bench/gpu/resolved_window.sh), with 0.5.18's pins
+(cd .engines/src/0.5.17 && sources) > "$DEST/.gpu/sglang17-src.tar.xz"
 .venv/bin/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
   --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

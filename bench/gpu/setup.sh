@@ -22,6 +22,13 @@ if [ -f .gpu/sglang18-src.tar.xz ]; then
   export ENGINE18_PATH=/tmp/eng18:/tmp/site18:/tmp/site:/tmp/stubs:/tmp/stubs18
   export SGLANG_IS_FLASHINFER_AVAILABLE=false
 fi
+# sglang 0.5.17 (bench/gpu/resolved_window.sh): its sources with 0.5.18's pins and placeholders.
+if [ -f .gpu/sglang17-src.tar.xz ] && [ -n "${ENGINE18_PATH:-}" ]; then
+  mkdir -p /tmp/eng17 && tar xJf .gpu/sglang17-src.tar.xz -C /tmp/eng17
+  mkdir -p /tmp/eng17/sglang/kernels/jit/include /tmp/eng17/sglang/kernels/jit/csrc
+  chmod -R a+rX /tmp/eng17
+  export ENGINE17_PATH=/tmp/eng17:/tmp/site18:/tmp/site:/tmp/stubs:/tmp/stubs18
+fi
 export PYTHONUNBUFFERED=1
 
 # The kernel library built with the image's own command and default archs into /opt/sglang-dsv41 and named by
