@@ -28,7 +28,7 @@ import tempfile
 import textwrap
 
 from . import ADAPTERS, load
-from .engine.installed import InstalledEngine, engine_version
+from .engine.installed import EngineImportError, InstalledEngine, engine_version
 from .engine.source_engine import UNRELEASED, open_engine
 from .framework import delivery, runtime, topology
 
@@ -49,7 +49,8 @@ EXIT_STATUSES = (
     (EXIT_USAGE, "the pack's own command line: an unknown option, no command after --, "
                  "doctor --engine PATH missing or unreadable"),
     (EXIT_REFUSED, "refused: an engine that drifted from what an adapter needs, conflicting flags, "
-                   "ranks that would not load the pack; doctor --strict also: an engine check refused"),
+                   "ranks that would not load the pack, an installed engine that raises when imported; "
+                   "doctor --strict also: an engine check refused"),
     (EXIT_FLAGS, "a pack flag not understood: a DSV41_* value or name, or a name within two edits of a "
                  "flag (checked first; --help prints its help, then says so)"),
     (EXIT_CANNOT_RUN, "wrapper: COMMAND found but not executable"),
@@ -177,6 +178,14 @@ def adapter_commands() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return run(argv)
+    except EngineImportError as exc:  # one line with the cause and the fix, never a traceback
+        runtime.emit(f"{exc} (exit {EXIT_REFUSED})", fatal=True)
+        return EXIT_REFUSED
+
+
+def run(argv: list[str]) -> int:
     if not argv:
         return doctor(build_parser().parse_args(["doctor"]))
     first = argv[0]

@@ -117,6 +117,22 @@ def test_a_reader_that_leaves_early_is_no_error():
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("args, flags", [(["doctor"], {}), (["--", "python3", "-c", "print('ran')"],
+                                                               {"DSV41_FOLDED_FENCE": "1"})])
+def test_an_engine_that_cannot_be_imported_is_one_line_and_69(args, flags, tmp_path):
+    """A non-root pod with a read-only root file system: HOME=/proc, where torch cannot make its
+    cache folder while the engine imports. A plain process (the zygote's engine is imported already)."""
+    env = {**engine_env("0.5.23", HOME="/proc", **flags), "PATH": f"{pathlib.Path(python()).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("XDG_CACHE_HOME", None), env.pop("TORCH_HOME", None)
+    done = subprocess.run([python(), "entrypoint.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == cli.EXIT_REFUSED == 69, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ran" not in done.stdout
+    (fatal,) = [line for line in done.stderr.splitlines() if "cannot be imported" in line]
+    assert "FileNotFoundError" in fatal and "'/proc/.cache'" in fatal, fatal
+    assert "fix: /proc/.cache cannot be made or read: point HOME" in fatal and fatal.endswith("(exit 69)")
+
+
 # --- the wrapper, with real commands ----------------------------------------------------------
 
 def test_the_wrapper_passes_the_commands_status_through_and_execs_it():

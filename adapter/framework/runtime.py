@@ -25,7 +25,7 @@ from typing import Optional
 from .. import ADAPTERS, load
 from ..engine.contract import Refused, Undecided
 from ..engine import proofs
-from ..engine.installed import InstalledEngine
+from ..engine.installed import EngineImportError, InstalledEngine
 from ..engine.source_engine import UNRELEASED, released
 from . import audit, delivery, log, metrics, patching
 from .flags import OFF_WORDS, FlagError, resembles, service_link
@@ -213,10 +213,14 @@ def order(names=ADAPTERS) -> list[str]:
 def _check(adapter: Surface, engine, setting, context: Context) -> tuple[str, str, str, Optional[Plan]]:
     """(state, reason, short reason, plan) of one adapter's check."""
     try:
+        if isinstance(engine, InstalledEngine):
+            engine.require()  # an engine that cannot be imported stops the pack whole, not one adapter
         with collector_paused():
             plan = adapter.check(engine, setting, context)
         if not plan.short_reason:
             raise ValueError(f"its {plan.state} plan gives no short reason")  # a defect of the pack, said
+    except EngineImportError:
+        raise
     except (Refused, Undecided) as exc:
         state = REFUSED if isinstance(exc, Refused) else AT_LAUNCH
         return state, str(exc), f"sglang {exc.version}: {_short_symbol(exc.symbol)}: {exc.problem}", None
