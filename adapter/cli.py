@@ -94,7 +94,8 @@ def flags_help() -> str:
     lines += [
         _item(runtime.MASTER, "off: the whole pack is off in the launcher and every rank (the rollback)", FLAG_WIDTH),
         _item(runtime.LOG_FORMAT, "json: the per-process lines as JSON objects; text (default)", FLAG_WIDTH),
-        "  Switches take 1/on/true and 0/off/false/none, DSV41_SPEC_TP_SYNC upstream's site selector",
+        "  Switches take 1/on/true/yes/y and 0/off/false/none/no/n (the engine's words too), any case;",
+        "  DSV41_SPEC_TP_SYNC takes upstream's site selector",
         "  (all, init, rng, site slugs or numbers, -site); unset is off. Any other value, a DSV41_* name",
         "  that is no flag, or a name within two edits of one is a start-up error.",
     ]

@@ -233,7 +233,7 @@ def test_help_with_a_flag_not_understood_is_the_help_then_one_line_and_78(argv):
     assert done.stdout.startswith(f"usage: sglang-adapters {argv[0] if argv[0] != '--help' else ''}")
     (line,) = pack_lines(done.stderr)
     assert line.endswith(f"rank=launcher {' '.join(argv)}: DSV41_FOLDED_FENCE='maybe' is not understood; accepted "
-                         "values are 1/on/true to switch it on and 0/off/false/none to switch it off (any case, no "
+                         "values are 1/on/true/yes/y to switch it on and 0/off/false/none/no/n to switch it off (any case, no "
                          "spaces), or leave DSV41_FOLDED_FENCE unset for off (exit 78)"), line
     off = run_cli(*argv, DSV41_FOLDED_FENCE="maybe", DSV41_ADAPTERS="off", timeout=60)  # no flag is read: as launch
     assert off.returncode == 0 and off.stdout == done.stdout and pack_lines(off.stderr) == []

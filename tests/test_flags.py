@@ -14,8 +14,17 @@ from harness import zygote
 
 GOOD = {"1": True, "0": False, "on": True, "off": False, "true": True, "false": False, "none": False,
         "ON": True, "Off": False, "TRUE": True, "False": False, "tRuE": True, "NONE": False}
-BAD = ["", " ", "yes", "no", "yes please", "2", "-1", "01", "10", "tru", "enabled", "1 ", " on",
-       "0x1", "nothing", "true\n", "y", "disable"]
+BAD = ["", " ", "yes please", "2", "-1", "01", "10", "tru", "enabled", "1 ", " on", " yes", "ye", "nope",
+       "0x1", "nothing", "true\n", "disable"]
+# Every word the engine's own EnvBool takes, in three cases: what it means there, it means here.
+ENGINE_WORDS = ["true", "1", "yes", "y", "false", "0", "no", "n"]
+
+
+@pytest.mark.parametrize("word", [w for word in ENGINE_WORDS for w in {word, word.upper(), word.title()}])
+def test_the_engines_boolean_words_mean_the_same_here(word):
+    from sglang.srt.environ import EnvBool
+
+    assert parse_switch("DSV41_FOLDED_FENCE", {"DSV41_FOLDED_FENCE": word}) is EnvBool(False).parse(word)
 
 
 @pytest.mark.parametrize("value,expected", sorted(GOOD.items()))
@@ -33,7 +42,7 @@ def test_bad_values_are_startup_errors(value):
         parse_switch("DSV41_FOLDED_FENCE", {"DSV41_FOLDED_FENCE": value})
     message = str(error.value)
     assert message.startswith(f"DSV41_FOLDED_FENCE={value!r} is not understood")
-    assert "1/on/true" in message and "0/off/false/none" in message
+    assert "1/on/true/yes/y" in message and "0/off/false/none/no/n" in message
 
 
 def decide_fence(value):
@@ -122,15 +131,25 @@ def test_kubernetes_service_links_do_not_stop_the_server():
 
 # --- the master switch takes every flag's off words ---------------------------------------------
 
-@pytest.mark.parametrize("value", ["off", "OFF", "Off", "0", "false", "FALSE", "none", "None"])
+@pytest.mark.parametrize("value", ["off", "OFF", "Off", "0", "false", "FALSE", "none", "None", "no", "N"])
 def test_the_master_switch_takes_the_off_words_of_every_flag(value):
     decision = runtime.decide({"DSV41_ADAPTERS": value, "DSV41_FOLDED_FENCE": "1"})
     assert decision.switched_off and not decision.refused and not decision.enabled
 
 
-@pytest.mark.parametrize("value", ["on", "1", "true", "", " off", "no", "disabled"])
+@pytest.mark.parametrize("value", ["on", "1", "true", "yes", "", " off", "disabled"])
 def test_any_other_master_switch_value_is_refused(value):
     decision = runtime.decide({"DSV41_ADAPTERS": value})
     assert not decision.switched_off and decision.refused
     (problem,) = decision.flag_errors
-    assert problem.startswith(f"DSV41_ADAPTERS={value!r} is not understood: set it to 0/off/false/none (any case)")
+    assert problem.startswith(f"DSV41_ADAPTERS={value!r} is not understood: set it to 0/off/false/none/no/n (any case)")
+
+
+@pytest.mark.parametrize("value, form", [("json", "json"), ("JSON", "json"), ("Json", "json"), ("TEXT", "text")])
+def test_the_log_switch_takes_any_case(value, form):
+    from sglang_dsv41_adapters.framework import log
+
+    assert runtime.switch_problems({"DSV41_ADAPTERS_LOG": value}) == []
+    assert log.log_format({"DSV41_ADAPTERS_LOG": value}) == form
+    (problem,) = runtime.switch_problems({"DSV41_ADAPTERS_LOG": "jsn"})
+    assert problem.startswith("DSV41_ADAPTERS_LOG='jsn' is not understood")

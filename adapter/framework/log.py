@@ -76,7 +76,7 @@ def label_scheduler(init, args, kwargs) -> str:
 
 
 def log_format(environ: Mapping[str, str] = os.environ) -> str:
-    return "json" if environ.get(LOG_FORMAT) == "json" else "text"
+    return "json" if environ.get(LOG_FORMAT, "").lower() == "json" else "text"
 
 
 def head() -> str:

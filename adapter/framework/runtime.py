@@ -28,7 +28,7 @@ from ..engine import proofs
 from ..engine.installed import EngineImportError, InstalledEngine
 from ..engine.source_engine import UNRELEASED, released
 from . import audit, delivery, log, metrics, patching
-from .flags import OFF_WORDS, FlagError, resembles, service_link
+from .flags import SWITCH_OFF, FlagError, resembles, service_link
 from .ledger import RETIRED_FLAGS
 from .log import LOG_FORMAT, LOG_FORMATS, PREFIX, emit, label_scheduler, log_format, set_process_label  # noqa: F401
 from .plan import Plan
@@ -419,19 +419,19 @@ def reset() -> None:
 
 
 def switched_off(environ: Mapping[str, str]) -> bool:
-    """DSV41_ADAPTERS holds an off value: 0/off/false/none in any case, as every flag."""
-    return environ.get(MASTER, "").lower() in OFF_WORDS
+    """DSV41_ADAPTERS holds an off value: 0/off/false/none/no/n in any case, as every flag."""
+    return environ.get(MASTER, "").lower() in SWITCH_OFF
 
 
 def switch_problems(environ: Mapping[str, str]) -> list[str]:
     """Start-up errors in the pack's own switches: strict values, as for every flag."""
     problems = []
     if MASTER in environ and not switched_off(environ):
-        problems.append(f"{MASTER}={environ[MASTER]!r} is not understood: set it to {'/'.join(OFF_WORDS)} (any case) "
+        problems.append(f"{MASTER}={environ[MASTER]!r} is not understood: set it to {'/'.join(SWITCH_OFF)} (any case) "
                         f"to switch the whole pack off in the launcher and every rank, or leave it unset")
-    if environ.get(LOG_FORMAT) not in (None, *LOG_FORMATS):
+    if LOG_FORMAT in environ and environ[LOG_FORMAT].lower() not in LOG_FORMATS:
         problems.append(f"{LOG_FORMAT}={environ[LOG_FORMAT]!r} is not understood: 'json' for one JSON object "
-                        f"per line, 'text' or unset for plain lines")
+                        f"per line, 'text' or unset for plain lines (any case)")
     return problems
 
 
