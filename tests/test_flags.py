@@ -77,7 +77,7 @@ def test_a_misspelt_flag_stops_the_launch_and_fails_strict_doctor():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 78
     assert ("DSV41_FOLDED_FENSE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE? (its flags: DSV41_ADAPTERS, "
-            "DSV41_ADAPTERS_LOG, DSV41_FOLDED_FENCE, ") in done.stderr
+            "DSV41_ADAPTERS_LOG, DSV41_ADAPTERS_PROOF_CACHE, DSV41_ADAPTERS_SNAPSHOT_KERNEL, DSV41_FOLDED_FENCE, ") in done.stderr
     assert runtime.unknown_flags({"DSV41_FOLDED_FENCE": "1", "DSV41_SPEC_TP_SYNC": "all", "PATH": "/bin"}) == []
 
 
@@ -153,3 +153,26 @@ def test_the_log_switch_takes_any_case(value, form):
     assert log.log_format({"DSV41_ADAPTERS_LOG": value}) == form
     (problem,) = runtime.switch_problems({"DSV41_ADAPTERS_LOG": "jsn"})
     assert problem.startswith("DSV41_ADAPTERS_LOG='jsn' is not understood")
+
+
+# --- the pack's own settings: one prefix, the old names read as aliases ------------------------
+
+def test_the_packs_settings_have_one_prefix_and_read_their_old_names():
+    from sglang_dsv41_adapters.engine import proofs, settings
+    from sglang_dsv41_adapters.folded_fence import accept_snapshot
+
+    assert proofs.ENV == "DSV41_ADAPTERS_PROOF_CACHE" and accept_snapshot.PATH_ENV == "DSV41_ADAPTERS_SNAPSHOT_KERNEL"
+    assert all(name.startswith("DSV41_ADAPTERS_") for name in settings.NAMES)
+    # a setting under its new name is no unknown flag, and needs no note
+    assert runtime.unknown_flags({"DSV41_ADAPTERS_PROOF_CACHE": "/tmp/p"}) == []
+    assert runtime.ignored_note({"DSV41_ADAPTERS_PROOF_CACHE": "/tmp/p"}) == []
+    # the old name is read where the new one is not set, and said
+    old = {"SGLANG_ADAPTERS_PROOF_CACHE": "/tmp/old"}
+    assert [str(p) for p in proofs.folders(old)] == ["/tmp/old"]
+    (note,) = runtime.ignored_note(old)
+    assert note.startswith("SGLANG_ADAPTERS_PROOF_CACHE is the old name of DSV41_ADAPTERS_PROOF_CACHE (read for now)")
+    # the new name wins where both are set
+    both = old | {"DSV41_ADAPTERS_PROOF_CACHE": "/tmp/new"}
+    assert [str(p) for p in proofs.folders(both)] == ["/tmp/new"]
+    assert "(ignored: the new name is set too)" in runtime.ignored_note(both)[0]
+    assert settings.get(settings.SNAPSHOT_KERNEL, {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": "/k.so"}) == "/k.so"

@@ -20,7 +20,7 @@ Nothing is compiled at run time. The image build compiles the library once
 kernels/ into a temporary folder, checked by loading it in a fresh interpreter,
 then moved to its path); each process loads that file by path with Python's own
 extension loader, the first time it is needed: no JIT cache, no lock, nothing
-written, any user, read-only file systems. The path is $SGLANG_ADAPTERS_SNAPSHOT_KERNEL,
+written, any user, read-only file systems. The path is $DSV41_ADAPTERS_SNAPSHOT_KERNEL,
 else DEFAULT_PATH. If the file is missing, does not load, was built from other
 sources or another torch, or holds no code for this GPU, the clones serve and
 `copy_mode()` says why: the values are the same either way, only the cost differs.
@@ -48,12 +48,13 @@ from pathlib import Path
 from typing import Optional
 
 from . import holders
+from ..engine import settings
 from ..framework import log, metrics
 from ..spectpsync import library as shared_library
 
 __all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "kernel_path", "extension", "use_extension", "build"]
 
-PATH_ENV = "SGLANG_ADAPTERS_SNAPSHOT_KERNEL"  # not DSV41_*: those are the pack's flags
+PATH_ENV = settings.SNAPSHOT_KERNEL
 MODULE = "dsv41_accept_snapshot"              # the library's Python module name (PyInit_<MODULE>)
 DEFAULT_PATH = f"/opt/sglang-dsv41/{MODULE}.so"
 DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre parts
@@ -87,7 +88,7 @@ _checks = None                 # the library whose views_check is `current` (use
 
 
 def kernel_path() -> str:
-    return os.environ.get(PATH_ENV) or DEFAULT_PATH
+    return settings.get(PATH_ENV) or DEFAULT_PATH
 
 
 def snapshot(tensors):

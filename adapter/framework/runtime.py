@@ -24,7 +24,7 @@ from typing import Optional
 
 from .. import ADAPTERS, load
 from ..engine.contract import Refused, Undecided
-from ..engine import proofs
+from ..engine import proofs, settings
 from ..engine.installed import EngineImportError, InstalledEngine
 from ..engine.source_engine import UNRELEASED, released
 from . import audit, delivery, log, metrics, patching
@@ -466,7 +466,7 @@ def delivery_problems(environ: Mapping[str, str], engine=None) -> list[str]:
 
 def pack_flags() -> set[str]:
     """Every variable the pack reads as a flag: the adapters' and its own switches."""
-    return {flag for name in ADAPTERS for flag in load(name).flags} | {MASTER, LOG_FORMAT}
+    return {flag for name in ADAPTERS for flag in load(name).flags} | {MASTER, LOG_FORMAT, *settings.NAMES}
 
 
 def unknown_flags(environ: Mapping[str, str]) -> list[str]:
@@ -489,12 +489,13 @@ def service_links(environ: Mapping[str, str]) -> list[str]:
 def ignored_note(environ: Mapping[str, str]) -> list[str]:
     """What the launcher, each rank and doctor say once of the variables they ignore: the
     Kubernetes service links, and the flags of adapters retired from the pack
-    (framework.ledger.RETIRED_FLAGS), which an env file may still set."""
+    (framework.ledger.RETIRED_FLAGS), which an env file may still set; and the old names of the
+    pack's settings still set (engine.settings)."""
     ignored = service_links(environ)
     notes = [f"ignored {', '.join(ignored)}: Kubernetes service links, not flags of this pack "
              "(enableServiceLinks: false in the pod spec leaves them out)"] if ignored else []
     return notes + [f"ignored {flag}={environ[flag]!r}: {RETIRED_FLAGS[flag]}" for flag in sorted(RETIRED_FLAGS)
-                    if flag in environ]
+                    if flag in environ] + settings.alias_notes(environ)
 
 
 def _not_flags(environ: Mapping[str, str], known: set[str]):
