@@ -28,9 +28,10 @@ import tempfile
 import textwrap
 
 from . import ADAPTERS, load
+from .engine import settings
 from .engine.installed import EngineImportError, InstalledEngine, engine_version
 from .engine.source_engine import UNRELEASED, open_engine
-from .framework import delivery, runtime, topology
+from .framework import delivery, progress, runtime, topology
 
 SERVER_MODULE = "sglang.launch_server"
 DIST = "sglang-dsv41-adapters"
@@ -94,10 +95,11 @@ def flags_help() -> str:
     lines += [
         _item(runtime.MASTER, "off: the whole pack is off in the launcher and every rank (the rollback)", FLAG_WIDTH),
         _item(runtime.LOG_FORMAT, "json: the per-process lines as JSON objects; text (default)", FLAG_WIDTH),
-        "  Switches take 1/on/true/yes/y and 0/off/false/none/no/n (the engine's words too), any case;",
-        "  DSV41_SPEC_TP_SYNC takes upstream's site selector",
-        "  (all, init, rng, site slugs or numbers, -site); unset is off. Any other value, a DSV41_* name",
-        "  that is no flag, or a name within two edits of one is a start-up error.",
+        f"  {settings.PROOF_CACHE}, {settings.SNAPSHOT_KERNEL}: the proof cache's folder (or off)",
+        "  and the fence's kernel file (their old SGLANG_ADAPTERS_* names are still read).",
+        "  Switches take 1/on/true/yes/y and 0/off/false/none/no/n, any case; DSV41_SPEC_TP_SYNC upstream's",
+        "  site selector (all, init, rng, site slugs or numbers, -site); unset is off. Any other value, a",
+        "  DSV41_* name that is no flag, or a name within two edits of one is a start-up error.",
     ]
     return "\n".join(lines)
 
@@ -336,6 +338,12 @@ def report(environ, engine, deployment=None, judged: str = "") -> dict:
     `by_layout` holds the outcomes on each representative layout wherever they differ.
     `failed` is what --strict fails on; `flag_errors` the part of it that is the pack's
     flags not understood."""
+    with progress.step(f"doctor: judging {len(ADAPTERS)} adapters and the ranks' plugin loading on the engine at "
+                       f"{engine.origin or 'this interpreter'}"):
+        return _report(environ, engine, deployment, judged)
+
+
+def _report(environ, engine, deployment, judged: str) -> dict:
     decision = runtime.decide(environ, engine, topology=deployment)
     rows = []
     for outcome in decision.outcomes:
@@ -388,8 +396,8 @@ def render_deployment(found: dict, verbose: bool = True) -> str:
     for adapter, per_layout in found["by_layout"].items():
         lines.append(f"  {adapter} depends on the layout:")
         for name, (state, reason, short) in per_layout.items():
-            line = f"    {topology.REPRESENTATIVE[name].describe()}: {state} - {reason if verbose else short}"
-            lines.append(line if verbose else runtime.clip(line, runtime.DOCTOR_LINE_LIMIT))
+            line = f"{topology.REPRESENTATIVE[name].describe()}: {state} - {reason if verbose else short}"
+            lines.append(wrapped(line, "    ") if verbose else runtime.clip("    " + line, runtime.DOCTOR_LINE_LIMIT))
     return "\n".join(lines)
 
 
@@ -502,16 +510,25 @@ def summary_line(row: dict) -> str:
     return runtime.clip(line, runtime.DOCTOR_LINE_LIMIT)
 
 
+WRAP = 100  # --verbose's paragraphs: a reason runs to 2,000 characters
+
+
+def wrapped(text: str, indent: str = "  ") -> str:
+    """`text` wrapped to WRAP columns, its continuation lines indented under its first word."""
+    return textwrap.fill(text, WRAP, initial_indent=indent, subsequent_indent=indent + "  ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
 def full_reasons(rows: list[dict]) -> list[str]:
     """Each adapter's paragraph: what it does, its outcome's and its engine check's full reasons."""
     lines = []
     for r in rows:
-        lines.append(f"{r['adapter']}: {r['summary']}")
-        lines.append(f"  outcome: {r['reason']}")
+        lines.append(wrapped(f"{r['adapter']}: {r['summary']}", ""))
+        lines.append(wrapped(f"outcome: {r['reason']}"))
         if r["engine_check_reason"] != r["reason"]:
-            lines.append(f"  engine check: {r['engine_check_reason']}")
+            lines.append(wrapped(f"engine check: {r['engine_check_reason']}"))
         if r.get("machine"):
-            lines.append(f"  this machine: {r['machine']}")
+            lines.append(wrapped(f"this machine: {r['machine']}"))
     return lines
 
 
@@ -533,8 +550,9 @@ def check_and_apply(command: list[str]) -> int:
     for the deployment `command` starts (its server arguments, read with the engine's own
     parser; every layout when they cannot be read); the exit status that stops the launch,
     or EXIT_OK."""
-    deployment, judged = topology.from_command(command)
-    decision = runtime.apply_once(os.environ, deployment, judged)
+    with progress.step(f"checking the flags and the engine before running {command[0] if command else 'the server'}"):
+        deployment, judged = topology.from_command(command)
+        decision = runtime.apply_once(os.environ, deployment, judged)
     if decision.error() is None:
         return EXIT_OK
     return EXIT_FLAGS if decision.flag_errors else EXIT_REFUSED

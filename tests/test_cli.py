@@ -20,6 +20,7 @@ from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from tests.agreement_cases import combos
 from harness.engines import ROOT, engine_env, python, release_sources
 from harness import zygote
+from tests.log_lines import untimed
 
 SCHEMA = json.loads((ROOT / "docs" / "doctor-report.schema.json").read_text())
 
@@ -32,7 +33,7 @@ def run_cli(*args: str, release: str = "0.5.23", timeout: float = 240, **env: st
 
 
 def pack_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith(runtime.PREFIX)]
+    return [line for line in untimed(stderr) if line.startswith(runtime.PREFIX)]
 
 
 # --- help and version ------------------------------------------------------------------------
@@ -48,7 +49,7 @@ def test_help_explains_the_pack_its_flags_and_exit_statuses(capsys):
     for code, _ in cli.EXIT_STATUSES:
         assert re.search(rf"^  {code} ", text, re.M), code
     assert "sglang-adapters [--] COMMAND" in text and "--model-path" in text
-    assert len(text.splitlines()) < 60, "the pack's help, not the engine's 2,793 lines"
+    assert len(text.splitlines()) < 70, "the pack's help, not the engine's 2,793 lines"
 
 
 @pytest.mark.parametrize("argv", [["launch", "--help"], ["doctor", "--help"]])
@@ -100,7 +101,7 @@ def test_a_usage_error_in_the_packs_command_line_is_64(capsys):
 def test_doctor_engine_with_a_bad_path_is_one_line_and_64(path):
     done = run_cli("doctor", "--engine", path, timeout=60)
     assert done.returncode == 64, done.stderr[-2000:]
-    (line,) = done.stderr.strip().splitlines()
+    (line,) = untimed(done.stderr.strip())
     assert re.match(rf"\[sglang-adapters\] pid=\d+ rank=launcher doctor --engine {re.escape(path)}: ", line), line
     assert line.endswith("(exit 64)")
 
@@ -176,7 +177,7 @@ def test_a_missing_command_is_127():
 # --- one exit-status table for launch, the wrapper and doctor --strict ------------------------
 
 CASES = {
-    "flag value": ({"DSV41_FOLDED_FENCE": "yes"}, 78),
+    "flag value": ({"DSV41_FOLDED_FENCE": "maybe"}, 78),
     "near-miss name": ({"dsv41_folded_fence": "1"}, 78),
     "master switch value": ({"DSV41_ADAPTERS": "on"}, 78),
     "log format value": ({"DSV41_ADAPTERS_LOG": "yaml"}, 78),

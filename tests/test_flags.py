@@ -11,6 +11,7 @@ from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.flags import FlagError, parse_switch
 from harness.engines import ROOT, engine_env, python
 from harness import zygote
+from tests.log_lines import untimed
 
 GOOD = {"1": True, "0": False, "on": True, "off": False, "true": True, "false": False, "none": False,
         "ON": True, "Off": False, "TRUE": True, "False": False, "tRuE": True, "NONE": False}
@@ -125,7 +126,7 @@ def test_kubernetes_service_links_do_not_stop_the_server():
     launch = zygote.run([python(), "entrypoint.py", "python", "-c", "print('ran')"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=240)
     assert launch.returncode == 0 and launch.stdout == "ran\n", launch.stderr[-2000:]
-    ignored = [line for line in launch.stderr.splitlines() if " ignored DSV41_" in line]
+    ignored = [line for line in untimed(launch.stderr) if " ignored DSV41_" in line]
     assert len(ignored) == 1 and ignored[0].startswith("[sglang-adapters] pid=") and "Kubernetes service links" in ignored[0]
 
 

@@ -259,5 +259,5 @@ def test_off_unless_set_and_strict_values():
     assert (unset.state, unset.reason) == (runtime.OFF, "DSV41_KNOWN_BAD_CONFIG is off")
     off = runtime.decide({known_bad_config.FLAG: "0"}, engine, names=(known_bad_config.NAME,))
     assert off.outcomes[0].state == runtime.OFF and not off.refused
-    bad = runtime.decide({known_bad_config.FLAG: "yes"}, engine, names=(known_bad_config.NAME,))
-    assert bad.refused and bad.flag_errors and "DSV41_KNOWN_BAD_CONFIG='yes' is not understood" in bad.reasons[0]
+    bad = runtime.decide({known_bad_config.FLAG: "yes please"}, engine, names=(known_bad_config.NAME,))
+    assert bad.refused and bad.flag_errors and "DSV41_KNOWN_BAD_CONFIG='yes please' is not understood" in bad.reasons[0]

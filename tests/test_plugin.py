@@ -22,6 +22,7 @@ import pytest
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import runtime
 from harness import zygote
+from tests.log_lines import untimed
 
 
 # A second engine module that binds the fenced method before the pack applies.
@@ -103,7 +104,7 @@ def test_spawned_rank_is_untouched_when_the_flag_is_unset(monkeypatch, tmp_path,
 
 @pytest.mark.parametrize("flag,doctor_engine,reason", [
     ("1", True, "AcceptOuts: fields are ('correct_len', 'bonus', 'cap_trim_lens', 'commit_lens', 'new_seq_lens', 'out_tokens', 'extra')"),
-    ("yes", False, "DSV41_FOLDED_FENCE='yes' is not understood"),
+    ("yes please", False, "DSV41_FOLDED_FENCE='yes please' is not understood"),
     ("1", "alias", f"folded_fence refused on sglang 0.5.23: {ALIASING}.finalize_verify holds the original "
                    "sglang.srt.speculative.dspark_components.dspark_verify.TargetVerifyExecutor.accept_and_finalize "
                    "that folded_fence wrapped"),
@@ -144,7 +145,7 @@ def test_master_switch_off_leaves_a_spawned_rank_untouched_with_every_flag_set(m
     code, found = spawn_rank(monkeypatch, "1", tmp_path)
     assert code == 0
     assert "constructor" in found and found["patched"] == ["pack-guard:__init__"]
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(runtime.PREFIX)]
+    lines = [line for line in untimed(capfd.readouterr().err) if line.startswith(runtime.PREFIX)]
     assert len(lines) == 1, lines
     assert "DSV41_ADAPTERS='off': OFF - the whole pack is off" in lines[0] and "sglang 0.5.23" in lines[0]
     assert " rank=launcher " not in lines[0], "a rank's line names it as a scheduler"

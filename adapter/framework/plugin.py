@@ -54,4 +54,4 @@ def _guard_scheduler(module) -> None:
     if any(load(name).flag in os.environ for name in ADAPTERS) and not runtime.switched_off(os.environ):
         # The loader swallows Exception; SystemExit ends this process, so the rank dies.
         raise SystemExit(message)
-    print(message, flush=True)
+    runtime.log.emit(message.removeprefix(runtime.log.head()))

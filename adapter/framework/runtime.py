@@ -27,7 +27,7 @@ from ..engine.contract import Refused, Undecided
 from ..engine import proofs, settings
 from ..engine.installed import EngineImportError, InstalledEngine
 from ..engine.source_engine import UNRELEASED, released
-from . import audit, delivery, log, metrics, patching
+from . import audit, delivery, log, metrics, oneline, patching
 from .flags import SWITCH_OFF, FlagError, resembles, service_link
 from .ledger import RETIRED_FLAGS
 from .log import LOG_FORMAT, LOG_FORMATS, PREFIX, emit, label_scheduler, log_format, set_process_label  # noqa: F401
@@ -58,7 +58,6 @@ MASTER = "DSV41_ADAPTERS"
 MASTER_OFF = "off"
 LINE_LIMIT = 199  # a per-process line stays under 200 characters; details are doctor's
 DOCTOR_LINE_LIMIT = 160  # doctor's one line per adapter, `adapter: outcome - short reason`; details: doctor ADAPTER
-_CLIPPED = "..."
 _VALUE_LIMIT = 32
 _MORE = " ... (details: sglang-adapters doctor)"
 
@@ -241,14 +240,14 @@ def _short_symbol(symbol: str) -> str:
 
 
 def clip(text: str, limit: int) -> str:
-    """`text` in at most `limit` characters, its end cut where it does not fit."""
-    return text if len(text) <= limit else text[:max(limit - len(_CLIPPED), 0)].rstrip() + _CLIPPED
+    """`text` in at most `limit` characters, its end cut at a word where it does not fit."""
+    return oneline.cut(text, limit)
 
 
 def _outcome(name: str, flag: str, value, state: str, reason: str, short: str, engine: str) -> Outcome:
-    """An outcome whose short reason fits doctor's line."""
+    """An outcome whose short reason fits doctor's line: its fix whole, the rest cut (oneline.fit)."""
     room = DOCTOR_LINE_LIMIT - len(Outcome(name, flag, value, state, reason, engine).summary_line())
-    return Outcome(name, flag, value, state, reason, engine, clip(short, room))
+    return Outcome(name, flag, value, state, reason, engine, oneline.fit(short, room))
 
 
 def context_for(adapter: Surface, environ, settings: Mapping, handed: Mapping[str, dict],
@@ -447,7 +446,7 @@ def _message(subject: str, value, state: str, reason: str, engine: str) -> str:
     tail = f" (sglang {engine})" if released(engine) else f" (sglang {engine}: {UNRELEASED})"
     room = LINE_LIMIT - len(log.head()) - len(head) - len(tail)
     if len(reason) > room:
-        reason = reason[:max(room - len(_MORE), 0)].rstrip() + _MORE
+        reason = oneline.fit(reason, max(room - len(_MORE), 0)) + _MORE
     return head + reason + tail
 
 
