@@ -22,14 +22,17 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import runpy
+import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
 
 from . import ADAPTERS, load
 from .engine import settings
-from .engine.installed import EngineImportError, InstalledEngine, engine_version
+from .engine.installed import EngineImportError, InstalledEngine, engine_version, installed_package
 from .engine.source_engine import UNRELEASED, open_engine
 from .framework import delivery, progress, runtime, topology
 
@@ -211,7 +214,11 @@ def parse(argv: list[str]):
     """The pack's own command line. A help it printed exits as launch, the wrapper and doctor
     --strict do where a pack flag is not understood: EXIT_FLAGS, with the errors in one line."""
     try:
-        return build_parser().parse_args(argv)
+        parser = build_parser()
+        opts, extra = parser.parse_known_args(argv)
+        if extra:
+            unknown(parser, argv, extra)
+        return opts
     except SystemExit as done:
         asked = argv[:argv.index("--")] if "--" in argv else argv  # after --: the command's own
         errors = runtime.flag_errors(os.environ) if done.code == 0 and {"-h", "--help"} & set(asked) else []
@@ -219,6 +226,16 @@ def parse(argv: list[str]):
             runtime.emit(f"{' '.join(asked)}: {' | '.join(errors)} (exit {EXIT_FLAGS})")
             raise SystemExit(EXIT_FLAGS) from None
         raise
+
+
+def unknown(parser: argparse.ArgumentParser, argv: list[str], extra: list[str]) -> None:
+    """An option no parser took: the error of the subcommand it was given to (its usage, not the
+    top level's), with the nearest of its options (`doctor --jsno`: did you mean --json?)."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    owner = commands.get(argv[0], parser) if argv else parser
+    options = [o for action in owner._actions for o in action.option_strings if o.startswith("--")]
+    near = difflib.get_close_matches(extra[0], options, n=1)
+    owner.error(f"unrecognized arguments: {' '.join(extra)}" + (f"; did you mean {near[0]}?" if near else ""))
 
 
 # --- doctor ---------------------------------------------------------------------------------
@@ -575,6 +592,9 @@ def wrap(command: list[str]) -> int:
     status = check_and_apply(command)
     if status:
         return status
+    other = other_engine(command)
+    if other:
+        runtime.emit(other)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -588,6 +608,47 @@ def wrap(command: list[str]) -> int:
     except OSError as exc:
         runtime.emit(f"{command[0]}: cannot run: {exc.strerror}")
         return EXIT_CANNOT_RUN
+
+
+def interpreter(command: list[str]) -> str | None:
+    """The Python that COMMAND runs: itself (python3 ...) or its script's #! line (sglang serve ...)."""
+    path = shutil.which(command[0]) if command else None
+    if path is None:
+        return None
+    if PYTHON.fullmatch(os.path.basename(path)):
+        return path
+    try:
+        with open(path, "rb") as script:
+            first = script.readline(256)
+    except OSError:
+        return None
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if words and os.path.basename(words[0]) == "env" and len(words) > 1:
+        words = [shutil.which(words[1]) or words[1]]
+    return words[0] if words and PYTHON.fullmatch(os.path.basename(words[0])) else None
+
+
+PYTHON = re.compile(r"python[0-9.]*")
+_WHERE = "import importlib.util as u; s = u.find_spec('sglang'); print(s.submodule_search_locations[0] if s else '')"
+
+
+def other_engine(command: list[str]) -> str:
+    """A warning where COMMAND's Python imports another sglang than the one just judged (a venv's
+    checks, then a system python3 without the engine), else ""."""
+    python = interpreter(command)
+    if python is None:
+        return ""
+    try:
+        found = subprocess.run([python, "-c", _WHERE], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    judged = installed_package()
+    if judged is not None and found and os.path.realpath(found) == os.path.realpath(judged):
+        return ""
+    theirs = f"the sglang at {found}" if found else "no sglang"
+    return (f"warning: {command[0]} runs {python}, which imports {theirs}; the checks above judged the sglang at "
+            f"{judged} ({sys.executable}): run COMMAND with {sys.executable}, or install the pack beside that "
+            "Python's engine and run its sglang-adapters")
 
 
 if __name__ == "__main__":

@@ -168,6 +168,30 @@ def test_the_wrapper_stops_before_the_command_on_a_flag_error():
     assert "DSV4_FOLDED_FENCE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE?" in done.stderr
 
 
+def test_the_wrapper_warns_when_the_commands_python_is_not_the_one_it_judged():
+    """Outside the image: the venv's engine judged, then a system python3 without it."""
+    system = "/usr/bin/python3"
+    if not os.access(system, os.X_OK) or subprocess.run([system, "-c", "import sglang"], capture_output=True).returncode == 0:
+        pytest.skip(f"no {system} without sglang here")
+    other = run_cli("--", system, "-c", "print('ran')", timeout=120)
+    same = run_cli("--", "python3", "-c", "print('ran')", timeout=120)  # the venv's, first on PATH
+    assert other.returncode == same.returncode == 0 and other.stdout == same.stdout == "ran\n", other.stderr[-2000:]
+    (warning,) = [line for line in pack_lines(other.stderr) if " warning: " in line]
+    assert f"warning: {system} runs {system}, which imports no sglang; the checks above judged the sglang at " in warning
+    assert f"run COMMAND with {python()}" in warning
+    assert not [line for line in pack_lines(same.stderr) if " warning: " in line]
+
+
+@pytest.mark.parametrize("argv, usage, near", [(["doctor", "--jsno"], "doctor", "--json"),
+                                               (["canary", "--canary", "http://x", "--windw", "5"], "canary", "--window")])
+def test_a_mistyped_option_gets_its_commands_usage_and_a_suggestion(capsys, argv, usage, near):
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    assert done.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: sglang-adapters {usage} ") and f"; did you mean {near}?\n" in err, err
+
+
 def test_a_missing_command_is_127():
     done = run_cli("no-such-command-for-sglang-adapters", "--x", timeout=60)
     assert done.returncode == 127
