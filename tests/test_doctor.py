@@ -43,7 +43,7 @@ def test_doctor_json_on_0_5_23_with_the_fence_on():
     for route in ("TargetVerifyExecutor.accept_and_finalize", "DsparkSamplingAcceptGraph.run", "DSparkWorkerV2._block_accept_lens"):
         assert route in fence["reason"]
     # doctor decides and reports; it applies nothing, so it prints no per-process line.
-    assert "[sglang-adapters]" not in done.stderr
+    assert not [line for line in untimed(done.stderr) if "[sglang-adapters]" in line]  # progress lines aside
 
 
 def test_doctor_checks_the_engine_even_with_the_flag_off_on_0_5_18():
@@ -143,7 +143,8 @@ def test_verbose_is_the_full_report(every_flag_on):
     for line in "\n".join(full).splitlines():  # wrapped: only a word longer than a line (a path) stands alone
         assert len(line) <= cli.WRAP or len(line.split()) == 1, line
     for a in report["adapters"]:
-        assert a["reason"] in verbose and f"{a['adapter']}: {a['outcome']} - " not in verbose
+        assert " ".join(a["reason"].split()) in " ".join(verbose.split())  # whole, wrapped
+        assert f"{a['adapter']}: {a['outcome']} - " not in verbose
 
 
 def test_a_refusal_names_the_release_the_symbol_and_the_adapter():
@@ -166,7 +167,7 @@ def test_a_refusal_names_the_release_the_symbol_and_the_adapter():
     assert tp1.returncode == cli.EXIT_REFUSED
     assert dict(zip(ADAPTERS, summary_block(tp1.stdout)))["tp_divergence"].startswith(
         "tp_divergence: refused - fix: unset DSV41_TP_DIVERGENCE; sglang 0.5.23: DSV41_TP_DIVERGENCE: one rank runs "
-        "each batch for TP 4, DP attention 4 x attention-TP 1")
+        "each batch for TP 4, DP attention 4 x")
 
 
 def test_doctor_adapter_is_the_full_report_of_just_those(every_flag_on):

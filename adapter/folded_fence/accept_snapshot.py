@@ -327,7 +327,8 @@ def first_cause(output: str) -> str:
     """The compiler's one-line cause in its output: its first error line, else the last line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for line in lines:
-        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith(("[", "ninja: build stopped")):
+        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith(
+                ("[", "ninja: build stopped", "Error building extension")):
             return line
     return lines[-1] if lines else "no output"
 

@@ -27,13 +27,15 @@ def fix_of(text: str) -> tuple[str, str]:
 
 
 def cut(text: str, room: int) -> str:
-    """`text` in at most `room` characters, cut at a word (mid-word only for a word longer than the room)."""
+    """`text` in at most `room` characters, cut after a word or a dotted name's part
+    (`TargetVerifyExecutor...`), mid-word only for a word longer than the room."""
     if len(text) <= room:
         return text
     head = text[:max(room - len(CUT), 0)]
-    if " " in head.strip():
-        head = head[:head.rstrip().rfind(" ")]
-    return head.rstrip(" ,;:-(") + CUT
+    end = max(head.rstrip().rfind(" "), head.rfind(".") + 1 if head.rfind(".") > 0 else -1)
+    if end > 0:
+        head = head[:end]
+    return head.rstrip(" ,;:-(.") + CUT
 
 
 def fit(text: str, room: int) -> str:
