@@ -179,7 +179,10 @@ def build_parser() -> Parser:
 
 def adapter_commands() -> dict:
     """The subcommands the adapters bring (their surfaces' `commands`): name -> run(argv) -> status."""
-    return {name: run for adapter in ADAPTERS for name, run in load(adapter).commands.items()}
+    # The first load imports torch, seconds in which an import holds the interpreter: said at once.
+    first = 0 if load.cache_info().currsize < len(ADAPTERS) else progress.FIRST
+    with progress.step("starting: loading the pack's adapters (torch is imported first)", first=first):
+        return {name: run for adapter in ADAPTERS for name, run in load(adapter).commands.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,8 +358,9 @@ def report(environ, engine, deployment=None, judged: str = "") -> dict:
     `by_layout` holds the outcomes on each representative layout wherever they differ.
     `failed` is what --strict fails on; `flag_errors` the part of it that is the pack's
     flags not understood."""
+    # said at once: doctor imports the engine, seconds in which an import may hold the interpreter
     with progress.step(f"doctor: judging {len(ADAPTERS)} adapters and the ranks' plugin loading on the engine at "
-                       f"{engine.origin or 'this interpreter'}"):
+                       f"{engine.origin or 'this interpreter'}", first=0):
         return _report(environ, engine, deployment, judged)
 
 

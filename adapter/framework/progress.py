@@ -15,14 +15,21 @@ FIRST, EVERY = 1.0, 10.0
 
 @contextlib.contextmanager
 def step(what: str, first: float = FIRST, every: float = EVERY):
-    """Say `what` is running while the block runs (`progress: <what> (N s)`), never after it ended."""
+    """Say `what` is running while the block runs (`progress: <what> (N s)`), never after it ended;
+    `first` 0: at once, from this thread (a C import may hold the interpreter for seconds)."""
     done = threading.Event()
     start = time.monotonic()
 
+    def say():
+        log.emit(f"{PREFIX}{what} ({time.monotonic() - start:.0f} s)", progress=what)
+
+    if first <= 0:
+        say()
+
     def tell():
-        wait = first
+        wait = first if first > 0 else every
         while not done.wait(wait):
-            log.emit(f"{PREFIX}{what} ({time.monotonic() - start:.0f} s)", progress=what)
+            say()
             wait = every
 
     teller = threading.Thread(target=tell, name="sglang-adapters-progress", daemon=True)
