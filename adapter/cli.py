@@ -116,6 +116,13 @@ def _item(key: str, text: str, width: int) -> str:
 
 
 def build_parser() -> Parser:
+    # The first load of the adapters imports torch, seconds in which an import holds the interpreter: said at once.
+    first = 0 if load.cache_info().currsize < len(ADAPTERS) else progress.FIRST
+    with progress.step("starting: loading the pack's adapters (torch is imported first)", first=first):
+        return _build_parser()
+
+
+def _build_parser() -> Parser:
     parser = Parser(
         prog="sglang-adapters",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -179,10 +186,7 @@ def build_parser() -> Parser:
 
 def adapter_commands() -> dict:
     """The subcommands the adapters bring (their surfaces' `commands`): name -> run(argv) -> status."""
-    # The first load imports torch, seconds in which an import holds the interpreter: said at once.
-    first = 0 if load.cache_info().currsize < len(ADAPTERS) else progress.FIRST
-    with progress.step("starting: loading the pack's adapters (torch is imported first)", first=first):
-        return {name: run for adapter in ADAPTERS for name, run in load(adapter).commands.items()}
+    return {name: run for adapter in ADAPTERS for name, run in load(adapter).commands.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
