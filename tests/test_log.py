@@ -120,3 +120,17 @@ def test_the_packs_lines_go_through_pythons_logging(label, monkeypatch, capsys):
     assert [r.getMessage() for r in records] == [f"[sglang-adapters] pid={os.getpid()} rank=launcher through logging"]
     assert records[0].name == "sglang_dsv41_adapters" and records[0].levelno == logging.INFO
     assert capsys.readouterr().err.endswith("] [sglang-adapters] pid=%d rank=launcher through logging\n" % os.getpid())
+
+
+def test_a_reason_too_long_for_its_line_keeps_its_fix_whole_and_cuts_at_a_word():
+    from sglang_dsv41_adapters.framework import oneline
+
+    refused = ("sglang 0.5.16: before_0_5_19:DRAFT_SAMPLER: is missing: the graph-folded draft path is not covered "
+               "(drop dspark-draft from the flag, e.g. all,-dspark-draft)")
+    assert oneline.fit(refused, 110) == ("fix: drop dspark-draft from the flag, e.g. all,-dspark-draft; sglang 0.5.16: "
+                                         "before_0_5_19:DRAFT_SAMPLER...")
+    assert oneline.fit(refused, 500) == refused  # what fits is left whole
+    bad = "a window 5 exceeds 4 (pad 4); safe: --block-size 3 or lower; other targets: switch X off there"
+    assert oneline.fit(bad, 60) == "safe: --block-size 3 or lower; a window 5 exceeds 4..."
+    assert oneline.fit("one two three four five six seven", 20) == "one two three..."  # never mid-word
+    assert oneline.cut("fenced TargetVerifyExecutor.accept_and_finalize; fenced", 40) == "fenced TargetVerifyExecutor..."

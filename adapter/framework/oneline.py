@@ -3,8 +3,9 @@
 The pack's reasons end with what to do where there is something to do ("...: drop dspark-draft
 from the flag, e.g. all,-dspark-draft)", "...; unset DSV41_X and use ..."). A line cut at its end
 loses exactly that, so a reason too long for its line is rewritten `fix: <the fix>; <the reason,
-cut at a word>...`. The fix is found by its shape, the reason's last clause starting with an
-imperative verb; a reason without one is cut at a word.
+cut at a word>...` (`safe: <setting>; ...` where the reason names its safe setting). The fix is found by its shape: a `safe: <setting>` clause where the reason
+names the safe setting, else its last clause starting with an imperative verb; a reason without
+either is cut at a word.
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ VERBS = ("drop", "unset", "use", "set", "switch", "leave", "rename", "point", "r
 _FIX = re.compile(r"(?:;\s+|:\s+|\s-\s|\()(?=(?:" + "|".join(VERBS) + r")\b)([^;()]*(?:\([^()]*\)[^;()]*)*)\)?\s*$")
 
 
+_SAFE = re.compile(r";\s+(safe: [^;]*)")
+
+
 def fix_of(text: str) -> tuple[str, str]:
     """(the reason without its fix, the fix); the fix is "" where the reason names none."""
+    safe = _SAFE.search(text)
+    if safe is not None:
+        return (text[:safe.start()] + text[safe.end():]).strip(), safe[1].strip()
     found = _FIX.search(text)
     if found is None:
         return text, ""
@@ -46,7 +53,7 @@ def fit(text: str, room: int) -> str:
     reason, fix = fix_of(text)
     if not fix:
         return cut(text, room)
-    head = f"fix: {fix}; "
+    head = f"{fix}; " if fix.startswith("safe: ") else f"fix: {fix}; "
     if len(head) + 12 > room:
         return cut(head.rstrip("; "), room)
     return head + cut(reason, room - len(head))
