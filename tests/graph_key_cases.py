@@ -23,6 +23,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from tests.log_lines import untimed
 
 CAPTURE_BS = [1, 2, 4, 8, 16]
 BS = 4
@@ -139,7 +140,7 @@ def graph_key_case(rank, world_size, n, skews, every=50):
             out[f"{kind}/{report}"] = {
                 "state": decision.outcomes[1].state, "patched": patched, "keys": keys,
                 "totals": divergence.totals() if report else {},
-                "lines": [line for line in printed.getvalue().splitlines() if "tp_divergence site=" in line]}
+                "lines": [line for line in untimed(printed.getvalue()) if "tp_divergence site=" in line]}
     runtime.revert()
     return out
 

@@ -58,8 +58,8 @@ def main() -> None:
 
     engine = SourceEngine(sys.argv[1]) if len(sys.argv) > 1 else None
     found = decisions(engine)
-    names = sorted(os.listdir(os.environ["SGLANG_ADAPTERS_PROOF_CACHE"])) \
-        if os.path.isdir(os.environ.get("SGLANG_ADAPTERS_PROOF_CACHE", "")) else []
+    names = sorted(os.listdir(os.environ["DSV41_ADAPTERS_PROOF_CACHE"])) \
+        if os.path.isdir(os.environ.get("DSV41_ADAPTERS_PROOF_CACHE", "")) else []
     print("RESULT:" + json.dumps({"decisions": found, "entries": names}), flush=True)
 
 

@@ -20,6 +20,7 @@ from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from tests.agreement_cases import combos
 from harness.engines import ROOT, engine_env, python, release_sources
 from harness import zygote
+from tests.log_lines import untimed
 
 SCHEMA = json.loads((ROOT / "docs" / "doctor-report.schema.json").read_text())
 
@@ -32,7 +33,7 @@ def run_cli(*args: str, release: str = "0.5.23", timeout: float = 240, **env: st
 
 
 def pack_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith(runtime.PREFIX)]
+    return [line for line in untimed(stderr) if line.startswith(runtime.PREFIX)]
 
 
 # --- help and version ------------------------------------------------------------------------
@@ -48,7 +49,7 @@ def test_help_explains_the_pack_its_flags_and_exit_statuses(capsys):
     for code, _ in cli.EXIT_STATUSES:
         assert re.search(rf"^  {code} ", text, re.M), code
     assert "sglang-adapters [--] COMMAND" in text and "--model-path" in text
-    assert len(text.splitlines()) < 60, "the pack's help, not the engine's 2,793 lines"
+    assert len(text.splitlines()) < 70, "the pack's help, not the engine's 2,793 lines"
 
 
 @pytest.mark.parametrize("argv", [["launch", "--help"], ["doctor", "--help"]])
@@ -100,7 +101,7 @@ def test_a_usage_error_in_the_packs_command_line_is_64(capsys):
 def test_doctor_engine_with_a_bad_path_is_one_line_and_64(path):
     done = run_cli("doctor", "--engine", path, timeout=60)
     assert done.returncode == 64, done.stderr[-2000:]
-    (line,) = done.stderr.strip().splitlines()
+    (line,) = untimed(done.stderr.strip())
     assert re.match(rf"\[sglang-adapters\] pid=\d+ rank=launcher doctor --engine {re.escape(path)}: ", line), line
     assert line.endswith("(exit 64)")
 
@@ -115,6 +116,23 @@ def test_a_reader_that_leaves_early_is_no_error():
         done = zygote.run([python(), "entrypoint.py", "doctor", "--strict"], cwd=ROOT, stdout=left,
                           stderr=subprocess.PIPE, env=engine_env("0.5.23", PATH=path), text=True, timeout=240)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, flags", [(["doctor"], {}), (["--", "python3", "-c", "print('ran')"],
+                                                               {"DSV41_FOLDED_FENCE": "1"})])
+def test_an_engine_that_cannot_be_imported_is_one_line_and_69(args, flags, tmp_path):
+    """A non-root pod with a read-only root file system: HOME=/proc, where torch cannot make its
+    cache folder while the engine imports. A plain process (the zygote's engine is imported already)."""
+    env = {**engine_env("0.5.23", HOME="/proc", **flags), "PATH": f"{pathlib.Path(python()).parent}{os.pathsep}{os.environ['PATH']}"}
+    for name in [n for n in env if n in ("XDG_CACHE_HOME", "TORCH_HOME") or n.startswith(("TORCHINDUCTOR_", "TRITON_"))]:
+        del env[name]  # a cache folder torch set up in this test process would spare the child its home
+    done = subprocess.run([python(), "entrypoint.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == cli.EXIT_REFUSED == 69, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ran" not in done.stdout
+    (fatal,) = [line for line in done.stderr.splitlines() if "cannot be imported" in line]
+    assert "FileNotFoundError" in fatal and "'/proc/.cache'" in fatal, fatal
+    assert "fix: /proc/.cache cannot be made or read: point HOME" in fatal and fatal.endswith("(exit 69)")
 
 
 # --- the wrapper, with real commands ----------------------------------------------------------
@@ -151,6 +169,30 @@ def test_the_wrapper_stops_before_the_command_on_a_flag_error():
     assert "DSV4_FOLDED_FENCE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE?" in done.stderr
 
 
+def test_the_wrapper_warns_when_the_commands_python_is_not_the_one_it_judged():
+    """Outside the image: the venv's engine judged, then a system python3 without it."""
+    system = "/usr/bin/python3"
+    if not os.access(system, os.X_OK) or subprocess.run([system, "-c", "import sglang"], capture_output=True).returncode == 0:
+        pytest.skip(f"no {system} without sglang here")
+    other = run_cli("--", system, "-c", "print('ran')", timeout=120)
+    same = run_cli("--", "python3", "-c", "print('ran')", timeout=120)  # the venv's, first on PATH
+    assert other.returncode == same.returncode == 0 and other.stdout == same.stdout == "ran\n", other.stderr[-2000:]
+    (warning,) = [line for line in pack_lines(other.stderr) if " warning: " in line]
+    assert f"warning: {system} runs {system}, which imports no sglang; the checks above judged the sglang at " in warning
+    assert f"run COMMAND with {python()}" in warning
+    assert not [line for line in pack_lines(same.stderr) if " warning: " in line]
+
+
+@pytest.mark.parametrize("argv, usage, near", [(["doctor", "--jsno"], "doctor", "--json"),
+                                               (["canary", "--canary", "http://x", "--windw", "5"], "canary", "--window")])
+def test_a_mistyped_option_gets_its_commands_usage_and_a_suggestion(capsys, argv, usage, near):
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    assert done.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: sglang-adapters {usage} ") and f"; did you mean {near}?\n" in err, err
+
+
 def test_a_missing_command_is_127():
     done = run_cli("no-such-command-for-sglang-adapters", "--x", timeout=60)
     assert done.returncode == 127
@@ -160,7 +202,7 @@ def test_a_missing_command_is_127():
 # --- one exit-status table for launch, the wrapper and doctor --strict ------------------------
 
 CASES = {
-    "flag value": ({"DSV41_FOLDED_FENCE": "yes"}, 78),
+    "flag value": ({"DSV41_FOLDED_FENCE": "maybe"}, 78),
     "near-miss name": ({"dsv41_folded_fence": "1"}, 78),
     "master switch value": ({"DSV41_ADAPTERS": "on"}, 78),
     "log format value": ({"DSV41_ADAPTERS_LOG": "yaml"}, 78),
@@ -221,7 +263,7 @@ def test_help_with_a_flag_not_understood_is_the_help_then_one_line_and_78(argv):
     assert done.stdout.startswith(f"usage: sglang-adapters {argv[0] if argv[0] != '--help' else ''}")
     (line,) = pack_lines(done.stderr)
     assert line.endswith(f"rank=launcher {' '.join(argv)}: DSV41_FOLDED_FENCE='maybe' is not understood; accepted "
-                         "values are 1/on/true to switch it on and 0/off/false/none to switch it off (any case, no "
+                         "values are 1/on/true/yes/y to switch it on and 0/off/false/none/no/n to switch it off (any case, no "
                          "spaces), or leave DSV41_FOLDED_FENCE unset for off (exit 78)"), line
     off = run_cli(*argv, DSV41_FOLDED_FENCE="maybe", DSV41_ADAPTERS="off", timeout=60)  # no flag is read: as launch
     assert off.returncode == 0 and off.stdout == done.stdout and pack_lines(off.stderr) == []
@@ -357,6 +399,9 @@ def test_json_lines_for_log_pipelines():
     done = run_cli("python", "-c", "pass", DSV41_ADAPTERS_LOG="json", DSV41_FOLDED_FENCE="1")
     assert done.returncode == 0, done.stderr[-3000:]
     objects = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"pack":"sglang-adapters"')]
+    progress = [o for o in objects if "progress" in o]  # as many as the machine's speed makes
+    assert all(o["message"].startswith("progress: ") for o in progress)
+    objects = [o for o in objects if "progress" not in o]
     assert [o.get("adapter", "deployment") for o in objects] == ["deployment", *ADAPTERS]
     assert objects[0]["deployment"] == "every layout" and "does not start the engine's server" in objects[0]["judged_from"]
     fence = objects[1]
@@ -428,6 +473,7 @@ def engine_variable_names() -> set[str]:
 CONTAINER = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_REQUIRE_CUDA", "NV_CUDA_LIB_VERSION",
              "CUDA_VERSION", "CUDA_HOME", "LD_LIBRARY_PATH", "HOSTNAME", "HOME", "PATH", "LANG", "TERM",
              "PYTHONUNBUFFERED", "DEBIAN_FRONTEND", "PIP_BREAK_SYSTEM_PACKAGES", "SGLANG_ADAPTERS_SNAPSHOT_KERNEL",
+             "DSV41_ADAPTERS_SNAPSHOT_KERNEL",
              "TORCH_CUDA_ARCH_LIST", "NCCL_DEBUG", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -472,7 +518,7 @@ def test_doctor_judges_the_commands_deployment_without_running_it(release, extra
                                                     "speculative_num_draft_tokens": None},
                                     "judged_from": "the command's server arguments, read with the engine's own parser"}
     assert report["by_layout"] == {}  # one deployment judged: no per-layout rows
-    assert "[sglang-adapters]" not in done.stderr  # nothing applied, nothing started
+    assert not [line for line in untimed(done.stderr) if "[sglang-adapters]" in line]  # nothing applied, nothing started
 
 
 def test_doctor_without_a_command_says_the_outcomes_hold_for_every_layout():

@@ -20,6 +20,7 @@ from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.flags import FlagError
 from sglang_dsv41_adapters.tp_divergence import divergence, watchdog_dump
 from tests.divergence_cases import BS
+from tests.log_lines import untimed
 
 N, K = 8, 5
 # rank 1's bonus of request 2 (100 + 2 + K at step K) is one more there than on rank 0
@@ -42,7 +43,7 @@ def ranks_ending_as_they_may(target, kwargs, world_size=2, timeout=120, release=
 
 
 def pack_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith(divergence.PREFIX) and " tp_divergence " in line]
+    return [line for line in untimed(stderr) if line.startswith(divergence.PREFIX) and " tp_divergence " in line]
 
 
 def test_abort_stops_rank_1_at_the_skewed_step():

@@ -9,7 +9,7 @@ skew is nonzero, by exactly the elements it covers. The counters are read only a
 the replays; the replay loop runs under torch.cuda.set_sync_debug_mode("error"), so any
 host synchronisation there raises. The real TP2 run over NCCL is tests/test_tp_nccl.py's.
 
-With the kernel library (SGLANG_ADAPTERS_SNAPSHOT_KERNEL, built by
+With the kernel library (DSV41_ADAPTERS_SNAPSHOT_KERNEL, built by
 bench/gpu/divergence.sh) the pack's broadcast packs several tensors into one block with one
 launch and the report compares with one fused launch per site call; the counts equal the
 torch ops' (the library switched off) inside and outside graphs, and the block keeps every

@@ -20,6 +20,7 @@ from tests.test_cli import schema_errors
 sys.path.insert(0, str(ROOT / "tools"))
 import doctor_sample  # noqa: E402
 from harness import zygote
+from tests.log_lines import untimed
 
 
 def doctor(release: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -42,7 +43,7 @@ def test_doctor_json_on_0_5_23_with_the_fence_on():
     for route in ("TargetVerifyExecutor.accept_and_finalize", "DsparkSamplingAcceptGraph.run", "DSparkWorkerV2._block_accept_lens"):
         assert route in fence["reason"]
     # doctor decides and reports; it applies nothing, so it prints no per-process line.
-    assert "[sglang-adapters]" not in done.stderr
+    assert not [line for line in untimed(done.stderr) if "[sglang-adapters]" in line]  # progress lines aside
 
 
 def test_doctor_checks_the_engine_even_with_the_flag_off_on_0_5_18():
@@ -94,11 +95,11 @@ def paragraphs(report: dict) -> list[str]:
     """Each adapter's full reasons as doctor printed them before it had one line per adapter."""
     lines = []
     for a in report["adapters"]:
-        lines += [f"{a['adapter']}: {a['summary']}", f"  outcome: {a['reason']}"]
+        lines += [cli.wrapped(f"{a['adapter']}: {a['summary']}", ""), cli.wrapped(f"outcome: {a['reason']}")]
         if a["engine_check"]["reason"] != a["reason"]:
-            lines.append(f"  engine check: {a['engine_check']['reason']}")
+            lines.append(cli.wrapped(f"engine check: {a['engine_check']['reason']}"))
         if a["machine"]:
-            lines.append(f"  this machine: {a['machine']}")
+            lines.append(cli.wrapped(f"this machine: {a['machine']}"))
     return lines
 
 
@@ -139,8 +140,11 @@ def test_verbose_is_the_full_report(every_flag_on):
     full = paragraphs(report)
     assert any(line.startswith("  engine check: ") for line in full)  # the reasons differ somewhere: not vacuous
     assert verbose == text.replace("\n".join(summary_block(text)), "\n".join(full))
+    for line in "\n".join(full).splitlines():  # wrapped: only a word longer than a line (a path) stands alone
+        assert len(line) <= cli.WRAP or len(line.split()) == 1, line
     for a in report["adapters"]:
-        assert a["reason"] in verbose and f"{a['adapter']}: {a['outcome']} - " not in verbose
+        assert " ".join(a["reason"].split()) in " ".join(verbose.split())  # whole, wrapped
+        assert f"{a['adapter']}: {a['outcome']} - " not in verbose
 
 
 def test_a_refusal_names_the_release_the_symbol_and_the_adapter():
@@ -150,19 +154,22 @@ def test_a_refusal_names_the_release_the_symbol_and_the_adapter():
     assert unasked.returncode == 0 and unasked.stdout.startswith("verdict: ok (exit 0)\n"), unasked.stdout[:500]
     assert on.returncode == off.returncode == cli.EXIT_REFUSED, on.stderr[-3000:] + off.stderr[-3000:]
     lines = dict(zip(ADAPTERS, summary_block(on.stdout)))
-    assert lines["rank0_broadcast"].startswith("rank0_broadcast: refused - sglang 0.5.16: dspark_draft_sampler: is missing")
+    # the outcome and the fix whole, then the reason, cut where it must be
+    assert lines["rank0_broadcast"].startswith("rank0_broadcast: refused - fix: drop dspark-draft from the flag, e.g. "
+                                               "all,-dspark-draft; sglang 0.5.16: dspark_draft_sampler: is missing")
     assert lines["folded_fence"] == "folded_fence: off - DSV41_FOLDED_FENCE is off"
     # off, but its engine check refuses (what --require all fails on): the line says that refusal
     assert summary_block(off.stdout)[1].startswith(
-        "rank0_broadcast: off; engine check refused - sglang 0.5.16: dspark_draft_sampler: is missing")
+        "rank0_broadcast: off; engine check refused - fix: drop dspark-draft from the flag, e.g. all,-dspark-draft; "
+        "sglang 0.5.16: dspark_draft_sampler")
     for line in summary_block(on.stdout) + summary_block(off.stdout):
         assert len(line) <= runtime.DOCTOR_LINE_LIMIT, line
     # a refusal of the deployment: one rank runs each batch under DP attention with attention-TP 1
     tp1 = doctor("0.5.23", "--strict", *TP1_BATCHES, DSV41_TP_DIVERGENCE="1")
     assert tp1.returncode == cli.EXIT_REFUSED
     assert dict(zip(ADAPTERS, summary_block(tp1.stdout)))["tp_divergence"].startswith(
-        "tp_divergence: refused - sglang 0.5.23: DSV41_TP_DIVERGENCE: one rank runs each batch for TP 4, DP attention "
-        "4 x attention-TP 1")
+        "tp_divergence: refused - fix: unset DSV41_TP_DIVERGENCE; sglang 0.5.23: DSV41_TP_DIVERGENCE: one rank runs "
+        "each batch for TP 4, DP attention 4 x")
 
 
 def test_doctor_adapter_is_the_full_report_of_just_those(every_flag_on):
@@ -177,7 +184,7 @@ def test_doctor_adapter_is_the_full_report_of_just_those(every_flag_on):
     text = doctor("0.5.23", "tp_divergence", "rank0_broadcast", *SERVER, **EVERY_FLAG).stdout
     table = text.split("\n\n")[2].splitlines()
     assert [row.split()[0] for row in table] == ["adapter", "rank0_broadcast", "tp_divergence"]
-    assert summary_block(text) == paragraphs(report)
+    assert summary_block(text) == "\n".join(paragraphs(report)).splitlines()
     assert "folded_fence" not in text and "group_min_memory:" not in text
     assert text.startswith("verdict: ok (exit 0); of every adapter, not only those shown\n")
 
@@ -200,7 +207,7 @@ def test_doctor_adapter_keeps_the_whole_packs_verdict():
 def test_a_name_that_is_no_adapter_is_one_line_and_78(name, says):
     done = doctor("0.5.23", "--strict", name, "--", "python3", "-m", "sglang.launch_server")
     assert done.returncode == cli.EXIT_FLAGS and done.stdout == ""
-    (line,) = done.stderr.strip().splitlines()
+    (line,) = untimed(done.stderr.strip())
     assert line.startswith(f"{runtime.PREFIX} pid=") and f"doctor {name}: no adapter of this pack has that name or flag" in line
     assert says in line and line.endswith(f"(exit {cli.EXIT_FLAGS})")
 
@@ -227,8 +234,10 @@ def test_outcomes_per_layout_are_one_line_each_too():
     assert schema_errors(report) == [] and sorted(report["by_layout"]) == ["group_min_memory", "tp_divergence"]
     per_layout = report["by_layout"]["tp_divergence"]["dp-attention-tp1"]
     assert per_layout["outcome"] == runtime.REFUSED and per_layout["reason"].startswith("tp_divergence refused on sglang 0.5.23: ")
-    assert per_layout["short_reason"].startswith("sglang 0.5.23: DSV41_TP_DIVERGENCE: one rank runs each batch")
+    assert per_layout["short_reason"].startswith("fix: unset DSV41_TP_DIVERGENCE; sglang 0.5.23: DSV41_TP_DIVERGENCE: "
+                                                 "one rank runs each batch")
     layout_lines = [line for line in text.splitlines() if line.startswith("    TP 4, ")]
     assert len(layout_lines) == 6  # two adapters, three layouts
     assert all(len(line) <= runtime.DOCTOR_LINE_LIMIT for line in layout_lines), layout_lines
-    assert "    TP 4, DP attention 4 x attention-TP 1: refused - sglang 0.5.23: DSV41_TP_DIVERGENCE: one rank runs" in text
+    assert ("    TP 4, DP attention 4 x attention-TP 1: refused - fix: unset DSV41_TP_DIVERGENCE; sglang 0.5.23: "
+            "DSV41_TP_DIVERGENCE: one rank runs") in text

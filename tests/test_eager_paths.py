@@ -23,6 +23,7 @@ from sglang_dsv41_adapters.folded_fence import accept_snapshot
 from sglang_dsv41_adapters.spectpsync import broadcast as b
 from sglang_dsv41_adapters.spectpsync.sites import Site
 from sglang_dsv41_adapters.tp_divergence import before_0_5_19, divergence
+from tests.log_lines import untimed
 
 KERNEL = "/opt/k/dsv41_accept_snapshot.so"
 
@@ -152,7 +153,7 @@ def triple(bs=5):
 
 
 def lines(capsys, what):
-    return [line for line in capsys.readouterr().err.splitlines() if what in line]
+    return [line for line in untimed(capsys.readouterr().err) if what in line]
 
 
 # --- packing ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from sglang_dsv41_adapters.engine.source_engine import EngineSourceError, Source
 from sglang_dsv41_adapters.cli import EXIT_USAGE
 from harness.engines import ROOT, engine_env, python, release_wheel
 from harness import zygote
+from tests.log_lines import untimed
 
 
 def doctor_engine(path) -> subprocess.CompletedProcess:
@@ -27,7 +28,7 @@ def doctor_engine(path) -> subprocess.CompletedProcess:
 def assert_one_line_error(done: subprocess.CompletedProcess, *parts: str) -> None:
     assert done.returncode == EXIT_USAGE, (done.stdout, done.stderr)
     assert done.stdout == ""
-    lines = done.stderr.splitlines()
+    lines = untimed(done.stderr)
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith(f"[sglang-adapters] pid={lines[0].split()[1][4:]} rank=launcher doctor --engine "
                                f"{done.args[-1]}: ")

@@ -15,7 +15,7 @@ reproduce and the test fails rather than pass). Fenced, it must read step N in a
 six fields, over many trials, at bs 1, 8, 64 and 256, for both ways the fence copies
 (one launch into a fresh block, and the plain clones it falls back to).
 
-The one-launch copy comes from the prebuilt kernel file ($SGLANG_ADAPTERS_SNAPSHOT_KERNEL, built
+The one-launch copy comes from the prebuilt kernel file ($DSV41_ADAPTERS_SNAPSHOT_KERNEL, built
 with `sglang-adapters build-kernel`, as the image does); without it those tests
 fail with copy_mode()'s reason. Skipped without CUDA. Run on a GPU machine:
 `python -m pytest tests/test_fence_gpu.py -q`.

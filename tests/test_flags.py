@@ -11,11 +11,21 @@ from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.flags import FlagError, parse_switch
 from harness.engines import ROOT, engine_env, python
 from harness import zygote
+from tests.log_lines import untimed
 
 GOOD = {"1": True, "0": False, "on": True, "off": False, "true": True, "false": False, "none": False,
         "ON": True, "Off": False, "TRUE": True, "False": False, "tRuE": True, "NONE": False}
-BAD = ["", " ", "yes", "no", "yes please", "2", "-1", "01", "10", "tru", "enabled", "1 ", " on",
-       "0x1", "nothing", "true\n", "y", "disable"]
+BAD = ["", " ", "yes please", "2", "-1", "01", "10", "tru", "enabled", "1 ", " on", " yes", "ye", "nope",
+       "0x1", "nothing", "true\n", "disable"]
+# Every word the engine's own EnvBool takes, in three cases: what it means there, it means here.
+ENGINE_WORDS = ["true", "1", "yes", "y", "false", "0", "no", "n"]
+
+
+@pytest.mark.parametrize("word", [w for word in ENGINE_WORDS for w in {word, word.upper(), word.title()}])
+def test_the_engines_boolean_words_mean_the_same_here(word):
+    from sglang.srt.environ import EnvBool
+
+    assert parse_switch("DSV41_FOLDED_FENCE", {"DSV41_FOLDED_FENCE": word}) is EnvBool(False).parse(word)
 
 
 @pytest.mark.parametrize("value,expected", sorted(GOOD.items()))
@@ -33,7 +43,7 @@ def test_bad_values_are_startup_errors(value):
         parse_switch("DSV41_FOLDED_FENCE", {"DSV41_FOLDED_FENCE": value})
     message = str(error.value)
     assert message.startswith(f"DSV41_FOLDED_FENCE={value!r} is not understood")
-    assert "1/on/true" in message and "0/off/false/none" in message
+    assert "1/on/true/yes/y" in message and "0/off/false/none/no/n" in message
 
 
 def decide_fence(value):
@@ -68,7 +78,7 @@ def test_a_misspelt_flag_stops_the_launch_and_fails_strict_doctor():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 78
     assert ("DSV41_FOLDED_FENSE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE? (its flags: DSV41_ADAPTERS, "
-            "DSV41_ADAPTERS_LOG, DSV41_FOLDED_FENCE, ") in done.stderr
+            "DSV41_ADAPTERS_LOG, DSV41_ADAPTERS_PROOF_CACHE, DSV41_ADAPTERS_SNAPSHOT_KERNEL, DSV41_FOLDED_FENCE, ") in done.stderr
     assert runtime.unknown_flags({"DSV41_FOLDED_FENCE": "1", "DSV41_SPEC_TP_SYNC": "all", "PATH": "/bin"}) == []
 
 
@@ -116,21 +126,54 @@ def test_kubernetes_service_links_do_not_stop_the_server():
     launch = zygote.run([python(), "entrypoint.py", "python", "-c", "print('ran')"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=240)
     assert launch.returncode == 0 and launch.stdout == "ran\n", launch.stderr[-2000:]
-    ignored = [line for line in launch.stderr.splitlines() if " ignored DSV41_" in line]
+    ignored = [line for line in untimed(launch.stderr) if " ignored DSV41_" in line]
     assert len(ignored) == 1 and ignored[0].startswith("[sglang-adapters] pid=") and "Kubernetes service links" in ignored[0]
 
 
 # --- the master switch takes every flag's off words ---------------------------------------------
 
-@pytest.mark.parametrize("value", ["off", "OFF", "Off", "0", "false", "FALSE", "none", "None"])
+@pytest.mark.parametrize("value", ["off", "OFF", "Off", "0", "false", "FALSE", "none", "None", "no", "N"])
 def test_the_master_switch_takes_the_off_words_of_every_flag(value):
     decision = runtime.decide({"DSV41_ADAPTERS": value, "DSV41_FOLDED_FENCE": "1"})
     assert decision.switched_off and not decision.refused and not decision.enabled
 
 
-@pytest.mark.parametrize("value", ["on", "1", "true", "", " off", "no", "disabled"])
+@pytest.mark.parametrize("value", ["on", "1", "true", "yes", "", " off", "disabled"])
 def test_any_other_master_switch_value_is_refused(value):
     decision = runtime.decide({"DSV41_ADAPTERS": value})
     assert not decision.switched_off and decision.refused
     (problem,) = decision.flag_errors
-    assert problem.startswith(f"DSV41_ADAPTERS={value!r} is not understood: set it to 0/off/false/none (any case)")
+    assert problem.startswith(f"DSV41_ADAPTERS={value!r} is not understood: set it to 0/off/false/none/no/n (any case)")
+
+
+@pytest.mark.parametrize("value, form", [("json", "json"), ("JSON", "json"), ("Json", "json"), ("TEXT", "text")])
+def test_the_log_switch_takes_any_case(value, form):
+    from sglang_dsv41_adapters.framework import log
+
+    assert runtime.switch_problems({"DSV41_ADAPTERS_LOG": value}) == []
+    assert log.log_format({"DSV41_ADAPTERS_LOG": value}) == form
+    (problem,) = runtime.switch_problems({"DSV41_ADAPTERS_LOG": "jsn"})
+    assert problem.startswith("DSV41_ADAPTERS_LOG='jsn' is not understood")
+
+
+# --- the pack's own settings: one prefix, the old names read as aliases ------------------------
+
+def test_the_packs_settings_have_one_prefix_and_read_their_old_names():
+    from sglang_dsv41_adapters.engine import proofs, settings
+    from sglang_dsv41_adapters.folded_fence import accept_snapshot
+
+    assert proofs.ENV == "DSV41_ADAPTERS_PROOF_CACHE" and accept_snapshot.PATH_ENV == "DSV41_ADAPTERS_SNAPSHOT_KERNEL"
+    assert all(name.startswith("DSV41_ADAPTERS_") for name in settings.NAMES)
+    # a setting under its new name is no unknown flag, and needs no note
+    assert runtime.unknown_flags({"DSV41_ADAPTERS_PROOF_CACHE": "/tmp/p"}) == []
+    assert runtime.ignored_note({"DSV41_ADAPTERS_PROOF_CACHE": "/tmp/p"}) == []
+    # the old name is read where the new one is not set, and said
+    old = {"SGLANG_ADAPTERS_PROOF_CACHE": "/tmp/old"}
+    assert [str(p) for p in proofs.folders(old)] == ["/tmp/old"]
+    (note,) = runtime.ignored_note(old)
+    assert note.startswith("SGLANG_ADAPTERS_PROOF_CACHE is the old name of DSV41_ADAPTERS_PROOF_CACHE (read for now)")
+    # the new name wins where both are set
+    both = old | {"DSV41_ADAPTERS_PROOF_CACHE": "/tmp/new"}
+    assert [str(p) for p in proofs.folders(both)] == ["/tmp/new"]
+    assert "(ignored: the new name is set too)" in runtime.ignored_note(both)[0]
+    assert settings.get(settings.SNAPSHOT_KERNEL, {"SGLANG_ADAPTERS_SNAPSHOT_KERNEL": "/k.so"}) == "/k.so"

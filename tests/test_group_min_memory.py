@@ -76,7 +76,7 @@ def test_flag_unset_is_off():
     assert decide({}).state == runtime.OFF
 
 
-@pytest.mark.parametrize("raw", ["yes", "no", "", " 1", "2", "enabled"])
+@pytest.mark.parametrize("raw", ["yes please", "nah", "", " 1", "2", "enabled"])
 def test_flag_bad_values_refused(raw):
     with pytest.raises(FlagError, match=gm.FLAG):
         gm.parse({gm.FLAG: raw})

@@ -27,7 +27,10 @@ def test_text_and_json_lines(label, monkeypatch, capsys):
     log.set_process_label(3)
     monkeypatch.setenv(log.LOG_FORMAT, "json")
     line = log.emit("hello", site="x")
-    assert capsys.readouterr().err.splitlines() == [f"[sglang-adapters] pid={os.getpid()} rank=launcher hello", line]
+    text, json_line = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(rf"\[\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\] \[sglang-adapters\] pid={os.getpid()} rank=launcher hello",
+                        text), text
+    assert json_line == line  # the object alone: it has its own time
     found = json.loads(line)
     assert {k: found[k] for k in ("pack", "pid", "rank", "message", "site")} == {
         "pack": "sglang-adapters", "pid": os.getpid(), "rank": "3", "message": "hello", "site": "x"}
@@ -82,3 +85,52 @@ def test_a_stderr_that_cannot_be_written_loses_the_lines_not_the_process():
                           stdout=subprocess.PIPE, stderr=full, text=True, timeout=240,
                           env=engine_env("0.5.23", PATH=path, DSV41_FOLDED_FENCE="1"))
     assert (done.returncode, done.stdout) == (7, "ran\n")
+
+
+def test_lines_take_the_engines_format_and_level_where_it_configured_logging():
+    """In a scheduler the engine's configure_logger runs before Scheduler(...): the pack's lines
+    then read as the engine's, `[time TP2] [sglang-adapters] ...`, and follow its --log-level."""
+    code = ("import types; from sglang.srt.utils.common import configure_logger; "
+            "from sglang_dsv41_adapters.framework import log; "
+            "configure_logger(types.SimpleNamespace(log_level='{level}'), prefix=' TP2'); "
+            "log.set_process_label(2); log.emit('an outcome'); log.emit('a refusal', fatal=True)")
+    seen = {}
+    for level in ("info", "warning"):
+        done = zygote.run([python(), "-c", code.format(level=level)], cwd=ROOT, env=engine_env("0.5.23"),
+                          capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[level] = [line for line in done.stderr.splitlines() if "[sglang-adapters]" in line]
+    stamp = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP2\] \[sglang-adapters\] pid=\d+ rank=2 "
+    assert [re.fullmatch(stamp + r"(.*)", line)[1] for line in seen["info"]] == ["an outcome", "a refusal"], seen
+    assert [re.fullmatch(stamp + r"(.*)", line)[1] for line in seen["warning"]] == ["a refusal"], seen
+
+
+def test_the_packs_lines_go_through_pythons_logging(label, monkeypatch, capsys):
+    import logging
+
+    monkeypatch.delenv(log.LOG_FORMAT, raising=False)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log.logger.addHandler(handler)
+    try:
+        log.emit("through logging")
+    finally:
+        log.logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [f"[sglang-adapters] pid={os.getpid()} rank=launcher through logging"]
+    assert records[0].name == "sglang_dsv41_adapters" and records[0].levelno == logging.INFO
+    assert capsys.readouterr().err.endswith("] [sglang-adapters] pid=%d rank=launcher through logging\n" % os.getpid())
+
+
+def test_a_reason_too_long_for_its_line_keeps_its_fix_whole_and_cuts_at_a_word():
+    from sglang_dsv41_adapters.framework import oneline
+
+    refused = ("sglang 0.5.16: before_0_5_19:DRAFT_SAMPLER: is missing: the graph-folded draft path is not covered "
+               "(drop dspark-draft from the flag, e.g. all,-dspark-draft)")
+    assert oneline.fit(refused, 110) == ("fix: drop dspark-draft from the flag, e.g. all,-dspark-draft; sglang 0.5.16: "
+                                         "before_0_5_19:DRAFT_SAMPLER...")
+    assert oneline.fit(refused, 500) == refused  # what fits is left whole
+    bad = "a window 5 exceeds 4 (pad 4); safe: --block-size 3 or lower; other targets: switch X off there"
+    assert oneline.fit(bad, 60) == "safe: --block-size 3 or lower; a window 5 exceeds 4..."
+    assert oneline.fit("one two three four five six seven", 20) == "one two three..."  # never mid-word
+    assert oneline.cut("fenced TargetVerifyExecutor.accept_and_finalize; fenced", 40) == "fenced TargetVerifyExecutor..."

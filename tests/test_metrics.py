@@ -23,7 +23,14 @@ ROUTE = "DSparkWorkerV2Output.next_draft_input.accept_lens <- DsparkVerifyEpilog
 SERVED_ROUTE = "SimpleNamespace.next_draft_input.accept_lens <- SimpleNamespace.commit_lens_buf"  # what rank_process copies
 RANKS = 3
 PATCHED = ["folded_fence:_block_accept_lens", "folded_fence:accept_and_finalize",
-           "folded_fence:forward_batch_generation", "folded_fence:run", "pack-guard:__init__"]  # a rank's, fence on
+           "folded_fence:forward_batch_generation", "folded_fence:run"]  # a rank's, fence on (the guard aside)
+
+
+def ranked(rank, **labels) -> tuple:
+    """A sample's labels: its own, the engine's rank labels and the deprecated `rank`."""
+    ranks = {"tp_rank": str(rank), "pp_rank": "0", "dp_rank": ""} if str(rank).isdigit() else \
+        {"tp_rank": "", "pp_rank": "", "dp_rank": ""}
+    return tuple(sorted({**labels, **ranks, "rank": str(rank)}.items()))
 
 
 def rank_process(rank: int) -> None:
@@ -36,6 +43,14 @@ def rank_process(rank: int) -> None:
     assert not decision.refused, decision.reasons
     metrics.copy_mode("one-launch" if rank else "clones")
     import types
+
+    # an engine series made as SchedulerMetricsCollector makes it (whose constructor needs the engine's
+    # published runtime context): its name, mode and the labels it gives a scheduler without a DP controller
+    import prometheus_client
+
+    labels = {"model_name": "m", "engine_type": "unified", "tp_rank": rank, "pp_rank": 0, "moe_ep_rank": 0}
+    prometheus_client.Gauge("sglang:num_running_reqs", "The number of running requests.", labelnames=labels.keys(),
+                            multiprocess_mode="mostrecent").labels(**labels).set(10 + rank)
 
     import torch
 
@@ -75,22 +90,37 @@ def test_each_ranks_adapter_outcomes_are_served(served):
             "group_min_memory": ("DSV41_GROUP_MIN_MEM", "off"), "tp_divergence": ("DSV41_TP_DIVERGENCE", "off"),
             "known_bad_config": ("DSV41_KNOWN_BAD_CONFIG", "off")}
     assert sorted(want) == sorted(ADAPTERS)
-    expected = {("sglang_adapters:adapter_outcome",
-                 (("adapter", name), ("flag", flag), ("outcome", outcome), ("rank", str(rank)))): 1.0
+    expected = {("sglang_adapters:adapter_outcome", ranked(rank, adapter=name, flag=flag, outcome=outcome)): 1.0
                 for rank in range(RANKS) for name, (flag, outcome) in want.items()}
     assert samples == expected
     # what `curl /metrics` shows, line for line
-    assert ('sglang_adapters:adapter_outcome{adapter="folded_fence",flag="DSV41_FOLDED_FENCE",outcome="applied",'
-            'rank="2"} 1.0') in served.splitlines()
+    assert ('sglang_adapters:adapter_outcome{adapter="folded_fence",dp_rank="",flag="DSV41_FOLDED_FENCE",'
+            'outcome="applied",pp_rank="0",rank="2",tp_rank="2"} 1.0') in served.splitlines()
+
+
+def test_the_packs_series_join_the_engines_by_its_own_rank_labels(served):
+    """`sglang:num_running_reqs * on(tp_rank, pp_rank, dp_rank) group_left sglang_adapters:adapter_outcome`,
+    as PromQL joins them (a label a series lacks matches as ""): one pair per rank, no label_replace."""
+    engine = metric_samples(served, "sglang:num_running_reqs")
+    pack = metric_samples(served, "sglang_adapters:adapter_outcome")
+    on = ("tp_rank", "pp_rank", "dp_rank")
+
+    def key(labels):
+        return tuple(dict(labels).get(name, "") for name in on)
+
+    fence = {key(labels): dict(labels)["outcome"] for (_, labels), _ in pack.items() if dict(labels)["adapter"] == "folded_fence"}
+    joined = {key(labels): (value, fence.get(key(labels))) for (_, labels), value in engine.items()}
+    assert joined == {(str(r), "0", ""): (10.0 + r, "applied") for r in range(RANKS)}, (engine, fence)
+    assert all("dp_rank" not in dict(labels) for (_, labels) in engine)  # the engine's own: no DP controller here
 
 
 def test_the_fences_copy_and_boundary_copies_are_served(served):
     assert metric_samples(served, "sglang_adapters:fence_copy_mode") == {
-        ("sglang_adapters:fence_copy_mode", (("mode", "clones"), ("rank", "0"))): 1.0,
-        ("sglang_adapters:fence_copy_mode", (("mode", "one-launch"), ("rank", "1"))): 1.0,
-        ("sglang_adapters:fence_copy_mode", (("mode", "one-launch"), ("rank", "2"))): 1.0}
+        ("sglang_adapters:fence_copy_mode", ranked(0, mode="clones")): 1.0,
+        ("sglang_adapters:fence_copy_mode", ranked(1, mode="one-launch")): 1.0,
+        ("sglang_adapters:fence_copy_mode", ranked(2, mode="one-launch")): 1.0}
     copies = metric_samples(served, "sglang_adapters:fence_boundary_copies_total")
-    assert copies == {("sglang_adapters:fence_boundary_copies_total", (("rank", str(r)), ("route", SERVED_ROUTE))): float(r)
+    assert copies == {("sglang_adapters:fence_boundary_copies_total", ranked(r, route=SERVED_ROUTE)): float(r)
                       for r in (1, 2)}
 
 
@@ -228,8 +258,8 @@ def test_the_wrapper_records_into_a_good_folder_and_nothing_when_the_pack_is_off
     else:
         assert os.listdir(folder) == [f"gauge_mostrecent_{done.stdout.strip()}.db"]  # exec: the same pid
         samples = metric_samples(served_metrics(folder), "sglang_adapters:adapter_outcome")
-        assert samples[("sglang_adapters:adapter_outcome", (("adapter", "folded_fence"), ("flag", "DSV41_FOLDED_FENCE"),
-                                                            ("outcome", "applied"), ("rank", "launcher")))] == 1.0
+        assert samples[("sglang_adapters:adapter_outcome", ranked("launcher", adapter="folded_fence",
+                                                                  flag="DSV41_FOLDED_FENCE", outcome="applied"))] == 1.0
 
 
 def rank_then_folder_removed(folder: str) -> None:
@@ -290,7 +320,7 @@ def test_a_rank_loading_the_pack_through_the_plugin_gets_as_far_as_without_metri
     else:
         as_file(folder)
     code, found = spawn_rank(monkeypatch, "1", tmp_path)
-    assert code == 0 and found["patched"] == (["pack-guard:__init__"] if off else PATCHED), found
+    assert code == 0 and found["patched"] == ([] if off else PATCHED) and found["guarded"], found
     assert found["constructor"] == "ValueError"  # the engine's own: "config namespace 'device' not published"
     lines = metric_lines(capfd.readouterr().err)
     if good:

@@ -22,6 +22,8 @@ import pytest
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import runtime
 from harness import zygote
+from harness.engines import ROOT, engine_env, python
+from tests.log_lines import untimed
 
 
 # A second engine module that binds the fenced method before the pack applies.
@@ -31,6 +33,7 @@ ALIAS = ("\nfrom sglang.srt.speculative.dspark_components.dspark_verify import T
 
 
 def rank_process(doctor_engine, tmp_dir: str, results, server_argv=None) -> None:
+    import sglang.srt.managers.scheduler  # noqa: F401 - as in a rank: the loader runs inside run_scheduler_process
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -61,8 +64,11 @@ def rank_process(doctor_engine, tmp_dir: str, results, server_argv=None) -> None
         results.put(("constructor", type(exc).__name__))
     from sglang_dsv41_adapters.framework import patching
 
-    # What the runtime replaced in this rank, by adapter and binding.
-    results.put(("patched", sorted(f"{s.adapter}:{s.name}" for s in patching.applied())))
+    from sglang_dsv41_adapters.framework import plugin
+
+    # What the runtime replaced in this rank, by adapter and binding; whether the guard ran the adapters
+    results.put(("patched", sorted(f"{s.adapter}:{s.name}" for s in patching.applied() if s.adapter != plugin.GUARD)))
+    results.put(("guarded", plugin.guarded()))
 
 
 def spawn_rank(monkeypatch, flag, tmp_path, doctor_engine=False, server_argv=None, fresh=False):
@@ -89,7 +95,8 @@ def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_pa
     assert code == 0
     assert "constructor" in found
     assert found["patched"] == ["folded_fence:_block_accept_lens", "folded_fence:accept_and_finalize",
-                                "folded_fence:forward_batch_generation", "folded_fence:run", "pack-guard:__init__"]
+                                "folded_fence:forward_batch_generation", "folded_fence:run"]
+    assert found["guarded"]
     err = capfd.readouterr().err
     assert "folded_fence DSV41_FOLDED_FENCE='1': APPLIED - copy: clones (no CUDA); fenced TargetVerifyExecutor." in err
 
@@ -97,13 +104,13 @@ def test_spawned_rank_applies_the_fence_when_the_flag_is_set(monkeypatch, tmp_pa
 def test_spawned_rank_is_untouched_when_the_flag_is_unset(monkeypatch, tmp_path, capfd):
     code, found = spawn_rank(monkeypatch, None, tmp_path)
     assert code == 0
-    assert "constructor" in found and found["patched"] == ["pack-guard:__init__"]
+    assert "constructor" in found and found["patched"] == [] and found["guarded"]
     assert "folded_fence DSV41_FOLDED_FENCE=<unset>: OFF" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("flag,doctor_engine,reason", [
     ("1", True, "AcceptOuts: fields are ('correct_len', 'bonus', 'cap_trim_lens', 'commit_lens', 'new_seq_lens', 'out_tokens', 'extra')"),
-    ("yes", False, "DSV41_FOLDED_FENCE='yes' is not understood"),
+    ("yes please", False, "DSV41_FOLDED_FENCE='yes please' is not understood"),
     ("1", "alias", f"folded_fence refused on sglang 0.5.23: {ALIASING}.finalize_verify holds the original "
                    "sglang.srt.speculative.dspark_components.dspark_verify.TargetVerifyExecutor.accept_and_finalize "
                    "that folded_fence wrapped"),
@@ -143,8 +150,8 @@ def test_master_switch_off_leaves_a_spawned_rank_untouched_with_every_flag_set(m
     monkeypatch.setenv("DSV41_GROUP_MIN_MEM", "1")
     code, found = spawn_rank(monkeypatch, "1", tmp_path)
     assert code == 0
-    assert "constructor" in found and found["patched"] == ["pack-guard:__init__"]
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(runtime.PREFIX)]
+    assert "constructor" in found and found["patched"] == [] and found["guarded"]
+    lines = [line for line in untimed(capfd.readouterr().err) if line.startswith(runtime.PREFIX)]
     assert len(lines) == 1, lines
     assert "DSV41_ADAPTERS='off': OFF - the whole pack is off" in lines[0] and "sglang 0.5.23" in lines[0]
     assert " rank=launcher " not in lines[0], "a rank's line names it as a scheduler"
@@ -182,3 +189,31 @@ def test_a_spawned_rank_judges_the_server_args_its_scheduler_receives(monkeypatc
     described = "TP 4, no DP attention" if memory == "superseded" else "TP 4, DP attention 4 x attention-TP 1"
     assert f"deployment: {described} (this rank's server_args)" in err
     assert f"group_min_memory DSV41_GROUP_MIN_MEM='1': {memory.upper()} - " in err
+
+
+HOOKED = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s", force=True)
+import sglang.srt.managers.scheduler as scheduler  # a rank: run_scheduler_process lives there
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang_dsv41_adapters.framework import patching, plugin
+print("guard", plugin.guarded(), [s.adapter for s in patching.applied()])
+try:
+    scheduler.Scheduler(None, None)
+except Exception as exc:
+    print("raised", type(exc).__name__, str(exc)[:120])
+"""
+
+
+def test_the_guard_is_the_engines_hook_and_a_refusal_still_stops_the_scheduler():
+    """The engine's HookRegistry applies the pack's guard and lists it in the engine's own log;
+    a refusal raised inside it still ends Scheduler(...)."""
+    done = zygote.run([python(), "-c", HOOKED], cwd=ROOT, env=engine_env("0.5.23", DSV41_FOLDED_FENCE="yes please"),
+                      capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("sglang.srt.plugins.hook_registry Applied 1 hook(s) to sglang.srt.managers.scheduler.Scheduler.__init__ "
+            "(from: plugin=dsv41_adapters, dist=sglang-dsv41-adapters)") in done.stderr, done.stderr[-3000:]
+    assert "guard True []" in done.stdout  # the engine's hook, not a binding of the pack's
+    assert "raised AdapterRefused the engine must not start: DSV41_FOLDED_FENCE='yes please' is not understood" \
+        in done.stdout, done.stdout

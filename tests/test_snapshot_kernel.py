@@ -21,6 +21,7 @@ import torch
 
 from sglang_dsv41_adapters.folded_fence import accept_snapshot
 from tests.conftest import build_kernel, cuda_home  # the `sm80` fixture (a real kernel file) is shared from conftest too
+from tests.log_lines import untimed
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -122,6 +123,29 @@ def test_the_old_module_command_fails_and_says_where_it_went():
     assert done.returncode == 1 and "run `sglang-adapters build-kernel`" in done.stderr, done.stderr
 
 
+def said(stderr: str) -> list[str]:
+    """build-kernel's own lines (torch warns on stderr too: no CUDA runtime on this machine)."""
+    return [line for line in untimed(stderr) if line.startswith("build-kernel:")]
+
+
+def test_no_compiler_is_one_line_naming_the_archs_the_step_and_the_option(tmp_path):
+    """A machine without nvcc, as CI runs the image's kernel step: the first line is the verdict,
+    the archs, the step, the cause and the fix; nothing is written."""
+    out = tmp_path / "k.so"
+    done = build_kernel("--archs", "9.0 10.0", "--out", str(out), env={"CUDA_HOME": str(tmp_path / "no-cuda")})
+    assert done.returncode == 1, done.stderr[-3000:]
+    (line,) = said(done.stderr)
+    assert line.startswith(f"build-kernel: NOT BUILT - archs 9.0 10.0, step find nvcc: no CUDA compiler "
+                           f"(CUDA_HOME='{tmp_path / 'no-cuda'}', "), line
+    assert line.endswith("; fix: correct the build, or pass --allow-clones 1 (the image's --build-arg "
+                         "ALLOW_CLONE_FENCE=1) to ship a fence that uses clones (exit 1)"), line
+    allowed = build_kernel("--archs", "9.0", "--out", str(out), "--allow-clones", "1",
+                           env={"CUDA_HOME": str(tmp_path / "no-cuda")})
+    assert allowed.returncode == 0 and said(allowed.stderr)[0].startswith(
+        "build-kernel: NOT BUILT, the fence will use clones (allowed by --allow-clones 1) - archs 9.0, step find nvcc: ")
+    assert not out.exists()
+
+
 def test_a_compile_error_names_the_source_file_and_line(tmp_path):
     """The compiler reads the package's own files: its message names the file and the line,
     and nothing is written."""
@@ -138,7 +162,10 @@ def test_a_compile_error_names_the_source_file_and_line(tmp_path):
     out = tmp_path / "opt" / "k.so"
     done = build_kernel("--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home}, root=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr[-4000:]
-    assert "build-kernel: the kernel did not build or load: RuntimeError: Error building extension" in done.stderr
+    first = said(done.stderr)[0]  # the compiler's one-line cause first, the step and the archs named
+    assert first.startswith(f"build-kernel: NOT BUILT - archs 8.0, step compile: {host}:{broken}:3: error: "), first
+    assert first.endswith("--allow-clones 1 (the image's --build-arg ALLOW_CLONE_FENCE=1) to ship a fence that uses "
+                          "clones (exit 1)"), first
     assert f"{host}:{broken}:3: error: " in done.stderr and "not_a_type" in done.stderr, done.stderr[-4000:]
     assert not out.exists() and not list(out.parent.glob("*"))
 
@@ -225,7 +252,7 @@ def test_the_first_cuda_result_says_which_copy_serves(monkeypatch, capsys):
     for _ in range(3):
         copy = accept_snapshot.detach(outs, ("first", "second"))
         assert copy.first is not outs.first and copy.first.value == 1
-    lines = capsys.readouterr().err.splitlines()
+    lines = untimed(capsys.readouterr().err)
     assert lines == [f"[sglang-adapters] pid={os.getpid()} rank=launcher folded_fence copy: clones - no CUDA"]
 
 

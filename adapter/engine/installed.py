@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pathlib
+import sys
 from collections.abc import Mapping
 from typing import Optional
 
@@ -46,12 +47,33 @@ def version_of(module) -> str:
     return engine.version if engine is not None else engine_version()
 
 
+class EngineImportError(RuntimeError):
+    """The installed engine is there but raises while it is imported: the pack can judge
+    nothing of it, and says so in one line (cli), never as a refusal of one adapter."""
+
+
+def import_error(exc: BaseException, name: str = "sglang") -> EngineImportError:
+    """`exc`, raised while importing `name`, as one line: the cause, then the fix."""
+    cause = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, OSError) and exc.filename:
+        fix = (f"{exc.filename} cannot be made or read: point HOME (or XDG_CACHE_HOME and TORCH_HOME) at a "
+               "writable folder, e.g. -e HOME=/tmp")
+    else:
+        fix = f"`python3 -c 'import {name}'` in the same environment shows the whole traceback"
+    return EngineImportError(f"the installed sglang cannot be imported ({name}: {cause}); fix: {fix}")
+
+
 def installed(name: str) -> bool:
-    """Whether the installed engine has module `name` (its parent packages get imported)."""
+    """Whether the installed engine has module `name` (its parent packages get imported).
+    A parent that raises while it is imported is no missing module: EngineImportError."""
     try:
         return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and name.startswith(exc.name):
+            return False
+        raise import_error(exc, name) from exc
+    except Exception as exc:  # torch making its cache folder under an unwritable home, a broken build
+        raise import_error(exc, name) from exc
 
 
 class InstalledEngine:
@@ -71,9 +93,25 @@ class InstalledEngine:
         package = installed_package()
         return package.parent if package is not None else None
 
+    def require(self) -> None:
+        """Import the engine's top package once, so that its failure is said with its own cause
+        (a later import of a submodule finds the half-imported package and raises another)."""
+        if "sglang" in sys.modules or installed_package() is None:
+            return
+        try:
+            importlib.import_module("sglang")
+        except Exception as exc:  # noqa: BLE001 - any failure of the engine's own import is said whole
+            raise import_error(exc) from exc
+
     def module(self, name: str):
         """The module, or None when this release does not have it."""
-        return importlib.import_module(name) if installed(name) else None
+        self.require()
+        if not installed(name):
+            return None
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any failure of the engine's own import is said whole
+            raise import_error(exc, name) from exc
 
     def files(self) -> Mapping[str, str]:
         """Module name -> path of every .py file of the installed sglang package."""

@@ -15,7 +15,7 @@ and change times, the way git's index knows a file unchanged); a file changed wi
 RACY_NS of being hashed is always hashed again. The change time cannot be set back without
 setting the clock: a file written, copied or unpacked anew is hashed anew.
 
-Where: SGLANG_ADAPTERS_PROOF_CACHE names the folder (`off`: none); by default the image's
+Where: DSV41_ADAPTERS_PROOF_CACHE (engine.settings) names the folder (`off`: none); by default the image's
 folder (IMAGE_FOLDER, filled by `doctor --strict` when the image is built) and the user's
 cache folder. Entries are read from each and written to the first that can be written. A
 folder missing or read-only is never an error: said once, the proofs run. An entry is
@@ -37,7 +37,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Optional
 
-ENV = "SGLANG_ADAPTERS_PROOF_CACHE"  # not DSV41_*: those are the pack's flags
+from . import settings
+
+ENV = settings.PROOF_CACHE
 OFF_WORDS = ("0", "off", "false", "none")  # as the flags' (framework.flags), any case
 IMAGE_FOLDER = "/opt/sglang-dsv41/proofs"  # made by the image build, never by this module
 FORMAT = 1  # the entries' layout: a change makes every stored entry another key
@@ -53,9 +55,9 @@ _memory: dict = {}  # entry name -> value: what this process read or wrote
 
 def folders(environ=os.environ) -> list[pathlib.Path]:
     """Where entries are looked for, in order; new ones go to the first that takes them.
-    $SGLANG_ADAPTERS_PROOF_CACHE alone where it is set (an off word: none), else the
+    $DSV41_ADAPTERS_PROOF_CACHE alone where it is set (an off word: none), else the
     image's folder where it exists and the user's cache folder."""
-    named = environ.get(ENV, "").strip()
+    named = (settings.get(ENV, environ) or "").strip()
     if named:
         return [] if named.lower() in OFF_WORDS else [pathlib.Path(named)]
     home = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

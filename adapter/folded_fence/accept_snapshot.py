@@ -20,7 +20,7 @@ Nothing is compiled at run time. The image build compiles the library once
 kernels/ into a temporary folder, checked by loading it in a fresh interpreter,
 then moved to its path); each process loads that file by path with Python's own
 extension loader, the first time it is needed: no JIT cache, no lock, nothing
-written, any user, read-only file systems. The path is $SGLANG_ADAPTERS_SNAPSHOT_KERNEL,
+written, any user, read-only file systems. The path is $DSV41_ADAPTERS_SNAPSHOT_KERNEL,
 else DEFAULT_PATH. If the file is missing, does not load, was built from other
 sources or another torch, or holds no code for this GPU, the clones serve and
 `copy_mode()` says why: the values are the same either way, only the cost differs.
@@ -48,12 +48,13 @@ from pathlib import Path
 from typing import Optional
 
 from . import holders
-from ..framework import log, metrics
+from ..engine import settings
+from ..framework import log, metrics, progress
 from ..spectpsync import library as shared_library
 
 __all__ = ["copy_mode", "expected_mode", "snapshot", "detach", "kernel_path", "extension", "use_extension", "build"]
 
-PATH_ENV = "SGLANG_ADAPTERS_SNAPSHOT_KERNEL"  # not DSV41_*: those are the pack's flags
+PATH_ENV = settings.SNAPSHOT_KERNEL
 MODULE = "dsv41_accept_snapshot"              # the library's Python module name (PyInit_<MODULE>)
 DEFAULT_PATH = f"/opt/sglang-dsv41/{MODULE}.so"
 DEFAULT_ARCHS = "9.0 10.0"                    # Hopper and Blackwell data-centre parts
@@ -87,7 +88,7 @@ _checks = None                 # the library whose views_check is `current` (use
 
 
 def kernel_path() -> str:
-    return os.environ.get(PATH_ENV) or DEFAULT_PATH
+    return settings.get(PATH_ENV) or DEFAULT_PATH
 
 
 def snapshot(tensors):
@@ -314,18 +315,37 @@ def _arch_list(archs: str) -> str:
     return " ".join(items)
 
 
+class BuildError(RuntimeError):
+    """A build step that failed: `step`, its one-line `cause`, and the tool's whole output."""
+
+    def __init__(self, step: str, cause: str, output: str = ""):
+        self.step, self.cause, self.output = step, cause, output
+        super().__init__(f"{step}: {cause}")
+
+
+def first_cause(output: str) -> str:
+    """The compiler's one-line cause in its output: its first error line, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith(
+                ("[", "ninja: build stopped", "Error building extension")):
+            return line
+    return lines[-1] if lines else "no output"
+
+
 def build(out: str, archs: str = DEFAULT_ARCHS, verbose: bool = False) -> str:
     """Compile the kernel library for `archs`, check it loads in a fresh interpreter,
-    and move it to `out`. Raises on any failure; `out` is only written on success."""
-    import torch
-    from torch.utils import cpp_extension
-
+    and move it to `out`. Raises BuildError on any failure; `out` is only written on success."""
     archs = _arch_list(archs)
+    with progress.step(f"build-kernel: importing torch to find the compiler (archs {archs})"):
+        import torch
+        from torch.utils import cpp_extension
+
     nvcc = os.path.join(cpp_extension.CUDA_HOME or "", "bin", "nvcc")
     if not cpp_extension.CUDA_HOME or not os.access(nvcc, os.X_OK):
-        raise RuntimeError(f"no CUDA compiler (CUDA_HOME={cpp_extension.CUDA_HOME!r}, no {nvcc})")
+        raise BuildError("find nvcc", f"no CUDA compiler (CUDA_HOME={cpp_extension.CUDA_HOME!r}, no {nvcc})")
     if torch.version.cuda is None:
-        raise RuntimeError(f"torch {torch.__version__} is built without CUDA")
+        raise BuildError("find nvcc", f"torch {torch.__version__} is built without CUDA")
     os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # torch's way to name the targets
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -337,18 +357,25 @@ def build(out: str, archs: str = DEFAULT_ARCHS, verbose: bool = False) -> str:
             with open(stamp, "w") as file:
                 file.write("#include <string>\nstd::string build_info() { return "
                            f'"archs={archs};source={SOURCE_HASH};torch={torch.__version__}"; }}\n')
-            cpp_extension.load(
-                name=MODULE, sources=[str(KERNELS / name) for name in SOURCES] + [stamp], extra_cflags=["-O2"],
-                extra_cuda_cflags=["-O2"], build_directory=tmp, verbose=verbose,
-            )
+            step = f"compile {', '.join(SOURCES)} for archs {archs}"
+            try:
+                with progress.step(f"build-kernel: {step} with nvcc (about 100 s)"):
+                    cpp_extension.load(
+                        name=MODULE, sources=[str(KERNELS / name) for name in SOURCES] + [stamp], extra_cflags=["-O2"],
+                        extra_cuda_cflags=["-O2"], build_directory=tmp, verbose=verbose,
+                    )
+            except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError with the compiler's whole output
+                raise BuildError("compile", first_cause(str(exc)), str(exc)) from exc
             shutil.copyfile(os.path.join(tmp, f"{MODULE}.so"), staged)
         # Loaded as a rank will load it: a fresh interpreter, by path, no build folder.
-        check = subprocess.run(
-            [sys.executable, "-P", "-c", f"from sglang_dsv41_adapters.folded_fence.accept_snapshot import load; print(load({staged!r})[1])"],
-            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": _pack_root()},
-        )
+        with progress.step("build-kernel: loading the built file in a fresh interpreter, as a rank will"):
+            check = subprocess.run(
+                [sys.executable, "-P", "-c", f"from sglang_dsv41_adapters.folded_fence.accept_snapshot import load; print(load({staged!r})[1])"],
+                capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": _pack_root()},
+            )
         if check.returncode != 0 or check.stdout.strip() != archs:
-            raise RuntimeError(f"the built kernel does not load: {(check.stdout + check.stderr).strip()[-1500:]}")
+            output = (check.stdout + check.stderr).strip()
+            raise BuildError("load check", f"the built kernel does not load: {first_cause(output)}", output)
         os.chmod(staged, 0o644)
         os.replace(staged, out)
     finally:
@@ -392,16 +419,20 @@ def build_command(argv: list[str]) -> int:
     try:
         print(f"build-kernel: built {build(args.out or kernel_path(), archs, args.verbose)} for {archs}")
         return os.EX_OK
-    except Exception as exc:  # noqa: BLE001 - reported whole (the compiler's messages), then the allow rule decides
-        reason = f"{type(exc).__name__}: {str(exc).strip()}"
+    except BuildError as exc:  # the one-line cause first, then the tool's whole output for the details
+        failed = exc
+    except Exception as exc:  # noqa: BLE001 - any other failure is a step's too
+        failed = BuildError("build", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+    where = f"archs {archs}, step {failed.step}: {failed.cause}"
     if args.allow_clones == "1":
-        print(f"build-kernel: NOT BUILT, the fence will use clones (allowed by ALLOW_CLONE_FENCE=1): {reason}",
+        print(f"build-kernel: NOT BUILT, the fence will use clones (allowed by --allow-clones 1) - {where}",
               file=sys.stderr)
-        return os.EX_OK
-    print(f"build-kernel: the kernel did not build or load: {reason}\n"
-          "Fix the build, or build with --build-arg ALLOW_CLONE_FENCE=1 to ship an image whose fence uses clones.",
-          file=sys.stderr)
-    return 1
+    else:
+        print(f"build-kernel: NOT BUILT - {where}; fix: correct the build, or pass --allow-clones 1 (the image's "
+              "--build-arg ALLOW_CLONE_FENCE=1) to ship a fence that uses clones (exit 1)", file=sys.stderr)
+    if failed.output:
+        print(f"build-kernel: the {failed.step} step's whole output follows\n{failed.output}", file=sys.stderr)
+    return os.EX_OK if args.allow_clones == "1" else 1
 
 
 if __name__ == "__main__":  # the command this module was before; silence would ship an image without the kernel

@@ -12,6 +12,10 @@ from collections.abc import Mapping
 ON_WORDS = ("1", "on", "true")
 # Off for every flag of the pack; the site selector also takes an empty value as off.
 OFF_WORDS = ("0", "off", "false", "none")
+# The engine's own boolean words (sglang.srt.environ.EnvBool: true/1/yes/y, false/0/no/n, any
+# case), taken by every switch too, so that a deployer's words mean the same to both.
+ENGINE_ON, ENGINE_OFF = ("yes", "y"), ("no", "n")
+SWITCH_ON, SWITCH_OFF = ON_WORDS + ENGINE_ON, OFF_WORDS + ENGINE_OFF
 
 
 class FlagError(ValueError):
@@ -19,7 +23,7 @@ class FlagError(ValueError):
 
 
 def parse_switch(name: str, environ: Mapping[str, str]) -> bool:
-    """On/off flag: 1/on/true, 0/off/false/none in any case; unset means off.
+    """On/off flag: 1/on/true/yes/y, 0/off/false/none/no/n in any case; unset means off.
 
     Anything else, including an empty value or surrounding spaces, is refused,
     because a typo must never silently pick a side.
@@ -27,13 +31,13 @@ def parse_switch(name: str, environ: Mapping[str, str]) -> bool:
     raw = environ.get(name)
     if raw is None:
         return False
-    if raw.lower() in ON_WORDS:
+    if raw.lower() in SWITCH_ON:
         return True
-    if raw.lower() in OFF_WORDS:
+    if raw.lower() in SWITCH_OFF:
         return False
     raise FlagError(
         f"{name}={raw!r} is not understood; accepted values are "
-        f"{'/'.join(ON_WORDS)} to switch it on and {'/'.join(OFF_WORDS)} to switch it off "
+        f"{'/'.join(SWITCH_ON)} to switch it on and {'/'.join(SWITCH_OFF)} to switch it off "
         f"(any case, no spaces), or leave {name} unset for off"
     )
 

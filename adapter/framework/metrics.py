@@ -2,13 +2,16 @@
 
 With `--enable-metrics` sglang sets PROMETHEUS_MULTIPROC_DIR before it starts the ranks, and
 its /metrics serves prometheus_client's multiprocess collector over that folder: whatever a
-rank records there is served with the engine's own metrics. Each rank records, labelled
-`rank` as its lines are (adapter.framework.log.process_label):
+rank records there is served with the engine's own metrics. Each rank labels its series with
+the engine's own rank labels, tp_rank, pp_rank and dp_rank (adapter.framework.log.rank_labels),
+so that a PromQL join with the engine's series needs no label_replace, and, for this release
+only, with `rank` as its lines name it (adapter.framework.log.process_label: `0`, `dp1-2`):
+`rank` is deprecated and goes in the next release.
 
-    sglang_adapters:adapter_outcome{adapter,flag,outcome,rank}      1 for each adapter's outcome
-    sglang_adapters:fence_copy_mode{mode,rank}                      1: the copy the fence uses (one-launch, clones)
-    sglang_adapters:fence_boundary_copies_total{route,rank}         results copied at the worker's boundary
-    sglang_adapters:tp_divergence_calls_total{rank,site}            and _diverged_calls_total,
+    sglang_adapters:adapter_outcome{adapter,flag,outcome}           1 for each adapter's outcome
+    sglang_adapters:fence_copy_mode{mode}                           1: the copy the fence uses (one-launch, clones)
+    sglang_adapters:fence_boundary_copies_total{route}              results copied at the worker's boundary
+    sglang_adapters:tp_divergence_calls_total{site}                 and _diverged_calls_total,
                                                                     _diverged_elements_total (adapter.tp_divergence.divergence)
 
 Gauges use the engine's multiprocess mode (`mostrecent`): one value per label set, the rank
@@ -34,6 +37,7 @@ PREFIX = "sglang_adapters:"
 FOLDER = "PROMETHEUS_MULTIPROC_DIR"
 _made: dict = {}
 _children: dict = {}  # (name, rank, *labels) -> the metric's child for them: a decode step's count is one call
+RANK = ("rank",)  # deprecated beside log.RANK_LABELS; goes in the next release
 _stopped: Optional[str] = None  # why this process records no more metrics
 
 
@@ -89,7 +93,8 @@ def _metric(kind: str, name: str, doc: str, labels):
             _made[name] = None
         else:
             mode = {"multiprocess_mode": "mostrecent"} if kind == "Gauge" else {}
-            _made[name] = getattr(prometheus_client, kind)(PREFIX + name, doc, labelnames=("rank", *labels), **mode)
+            _made[name] = getattr(prometheus_client, kind)(PREFIX + name, doc, labelnames=(*RANK, *log.RANK_LABELS, *labels),
+                                                           **mode)
     return _made[name]
 
 
@@ -105,7 +110,8 @@ def _record(kind: str, name: str, doc: str, labels: dict, value: float) -> None:
             metric = _metric(kind, name, doc, sorted(labels))
             if metric is None:
                 return
-            child = _children[key] = metric.labels(rank=rank, **labels)  # opens the folder's file the first time
+            # opens the folder's file the first time
+            child = _children[key] = metric.labels(rank=rank, **log.rank_labels(), **labels)
         if kind == "Gauge":
             child.set(value)
         else:

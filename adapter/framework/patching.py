@@ -59,13 +59,35 @@ def apply(patch: Patch, adapter: str) -> bool:
     return True
 
 
+class _BoundWrapper(wrapt.BoundFunctionWrapper):
+    def __reduce_ex__(self, protocol):
+        # as the plain function would: by reference, the attribute of its class (or of its instance)
+        parent = self._self_parent
+        holder = parent._self_patch_owner if self._self_instance is None else self._self_instance
+        return getattr, (holder, parent._self_patch_name)
+
+
+class Wrapper(wrapt.FunctionWrapper):
+    """wrapt's FunctionWrapper that pickles as the engine's function does: by reference, the
+    attribute of its owner (the engine pickles methods across processes; wrapt's proxy refuses)."""
+
+    __bound_function_wrapper__ = _BoundWrapper
+
+    def __init__(self, wrapped, wrapper, owner, name: str):
+        super().__init__(wrapped, wrapper)
+        self._self_patch_owner, self._self_patch_name = owner, name
+
+    def __reduce_ex__(self, protocol):
+        return getattr, (self._self_patch_owner, self._self_patch_name)
+
+
 def _binding(patch: Patch, original):
     if patch.proxy:
         return patch.proxy(original)
     wrapper, make = _faster.get(id(patch.wrapper), (None, None))
     faster = make(original) if wrapper is patch.wrapper else None
     # wrapt's: signature and introspection survive
-    return faster if faster is not None else wrapt.FunctionWrapper(original, patch.wrapper)
+    return faster if faster is not None else Wrapper(original, patch.wrapper, patch.owner, patch.name)
 
 
 def for_functions(build):
@@ -94,12 +116,34 @@ def bind_faster(wrapper, make=None) -> None:
 
 
 def revert(owner, name: str) -> bool:
-    """Put the original back, if the pack replaced it."""
-    saved = _saved.pop(key(owner, name), None)
+    """Unwind the pack's own binding, if the pack replaced it. Where something wrapped it since
+    (a later plugin), that wrapper stays: the pack's is taken out from beneath it where the chain
+    can be rewired (a wrapt proxy's __wrapped__), else both stay and the binding stays recorded
+    (False): putting the original back would drop the later wrapper."""
+    saved = _saved.get(key(owner, name))
     if saved is None:
         return False
-    setattr(owner, name, saved.original)
+    current = vars(owner).get(name)
+    if current is saved.replacement:
+        setattr(owner, name, saved.original)
+    elif not _unwind_beneath(current, saved.replacement, saved.original):
+        return False
+    del _saved[key(owner, name)]
     return True
+
+
+_PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)  # wrapt 2's base of every proxy (1.x: ObjectProxy)
+
+
+def _unwind_beneath(outer, ours, original) -> bool:
+    """Point the link of `outer`'s __wrapped__ chain that holds `ours` at `original` instead."""
+    link, seen = outer, 0
+    while isinstance(link, _PROXY) and seen < 32:
+        if link.__wrapped__ is ours:
+            link.__wrapped__ = original
+            return True
+        link, seen = link.__wrapped__, seen + 1
+    return False
 
 
 def set_env(name: str, value: str, adapter: str) -> None:

@@ -24,11 +24,11 @@ from typing import Optional
 
 from .. import ADAPTERS, load
 from ..engine.contract import Refused, Undecided
-from ..engine import proofs
-from ..engine.installed import InstalledEngine
+from ..engine import proofs, settings
+from ..engine.installed import EngineImportError, InstalledEngine
 from ..engine.source_engine import UNRELEASED, released
-from . import audit, delivery, log, metrics, patching
-from .flags import OFF_WORDS, FlagError, resembles, service_link
+from . import audit, delivery, log, metrics, oneline, patching
+from .flags import SWITCH_OFF, FlagError, resembles, service_link
 from .ledger import RETIRED_FLAGS
 from .log import LOG_FORMAT, LOG_FORMATS, PREFIX, emit, label_scheduler, log_format, set_process_label  # noqa: F401
 from .plan import Plan
@@ -58,7 +58,6 @@ MASTER = "DSV41_ADAPTERS"
 MASTER_OFF = "off"
 LINE_LIMIT = 199  # a per-process line stays under 200 characters; details are doctor's
 DOCTOR_LINE_LIMIT = 160  # doctor's one line per adapter, `adapter: outcome - short reason`; details: doctor ADAPTER
-_CLIPPED = "..."
 _VALUE_LIMIT = 32
 _MORE = " ... (details: sglang-adapters doctor)"
 
@@ -213,10 +212,14 @@ def order(names=ADAPTERS) -> list[str]:
 def _check(adapter: Surface, engine, setting, context: Context) -> tuple[str, str, str, Optional[Plan]]:
     """(state, reason, short reason, plan) of one adapter's check."""
     try:
+        if isinstance(engine, InstalledEngine):
+            engine.require()  # an engine that cannot be imported stops the pack whole, not one adapter
         with collector_paused():
             plan = adapter.check(engine, setting, context)
         if not plan.short_reason:
             raise ValueError(f"its {plan.state} plan gives no short reason")  # a defect of the pack, said
+    except EngineImportError:
+        raise
     except (Refused, Undecided) as exc:
         state = REFUSED if isinstance(exc, Refused) else AT_LAUNCH
         return state, str(exc), f"sglang {exc.version}: {_short_symbol(exc.symbol)}: {exc.problem}", None
@@ -237,14 +240,14 @@ def _short_symbol(symbol: str) -> str:
 
 
 def clip(text: str, limit: int) -> str:
-    """`text` in at most `limit` characters, its end cut where it does not fit."""
-    return text if len(text) <= limit else text[:max(limit - len(_CLIPPED), 0)].rstrip() + _CLIPPED
+    """`text` in at most `limit` characters, its end cut at a word where it does not fit."""
+    return oneline.cut(text, limit)
 
 
 def _outcome(name: str, flag: str, value, state: str, reason: str, short: str, engine: str) -> Outcome:
-    """An outcome whose short reason fits doctor's line."""
+    """An outcome whose short reason fits doctor's line: its fix whole, the rest cut (oneline.fit)."""
     room = DOCTOR_LINE_LIMIT - len(Outcome(name, flag, value, state, reason, engine).summary_line())
-    return Outcome(name, flag, value, state, reason, engine, clip(short, room))
+    return Outcome(name, flag, value, state, reason, engine, oneline.fit(short, room))
 
 
 def context_for(adapter: Surface, environ, settings: Mapping, handed: Mapping[str, dict],
@@ -427,19 +430,19 @@ def reset() -> None:
 
 
 def switched_off(environ: Mapping[str, str]) -> bool:
-    """DSV41_ADAPTERS holds an off value: 0/off/false/none in any case, as every flag."""
-    return environ.get(MASTER, "").lower() in OFF_WORDS
+    """DSV41_ADAPTERS holds an off value: 0/off/false/none/no/n in any case, as every flag."""
+    return environ.get(MASTER, "").lower() in SWITCH_OFF
 
 
 def switch_problems(environ: Mapping[str, str]) -> list[str]:
     """Start-up errors in the pack's own switches: strict values, as for every flag."""
     problems = []
     if MASTER in environ and not switched_off(environ):
-        problems.append(f"{MASTER}={environ[MASTER]!r} is not understood: set it to {'/'.join(OFF_WORDS)} (any case) "
+        problems.append(f"{MASTER}={environ[MASTER]!r} is not understood: set it to {'/'.join(SWITCH_OFF)} (any case) "
                         f"to switch the whole pack off in the launcher and every rank, or leave it unset")
-    if environ.get(LOG_FORMAT) not in (None, *LOG_FORMATS):
+    if LOG_FORMAT in environ and environ[LOG_FORMAT].lower() not in LOG_FORMATS:
         problems.append(f"{LOG_FORMAT}={environ[LOG_FORMAT]!r} is not understood: 'json' for one JSON object "
-                        f"per line, 'text' or unset for plain lines")
+                        f"per line, 'text' or unset for plain lines (any case)")
     return problems
 
 
@@ -455,7 +458,7 @@ def _message(subject: str, value, state: str, reason: str, engine: str) -> str:
     tail = f" (sglang {engine})" if released(engine) else f" (sglang {engine}: {UNRELEASED})"
     room = LINE_LIMIT - len(log.head()) - len(head) - len(tail)
     if len(reason) > room:
-        reason = reason[:max(room - len(_MORE), 0)].rstrip() + _MORE
+        reason = oneline.fit(reason, max(room - len(_MORE), 0)) + _MORE
     return head + reason + tail
 
 
@@ -474,7 +477,7 @@ def delivery_problems(environ: Mapping[str, str], engine=None) -> list[str]:
 
 def pack_flags() -> set[str]:
     """Every variable the pack reads as a flag: the adapters' and its own switches."""
-    return {flag for name in ADAPTERS for flag in load(name).flags} | {MASTER, LOG_FORMAT}
+    return {flag for name in ADAPTERS for flag in load(name).flags} | {MASTER, LOG_FORMAT, *settings.NAMES}
 
 
 def unknown_flags(environ: Mapping[str, str]) -> list[str]:
@@ -497,12 +500,13 @@ def service_links(environ: Mapping[str, str]) -> list[str]:
 def ignored_note(environ: Mapping[str, str]) -> list[str]:
     """What the launcher, each rank and doctor say once of the variables they ignore: the
     Kubernetes service links, and the flags of adapters retired from the pack
-    (framework.ledger.RETIRED_FLAGS), which an env file may still set."""
+    (framework.ledger.RETIRED_FLAGS), which an env file may still set; and the old names of the
+    pack's settings still set (engine.settings)."""
     ignored = service_links(environ)
     notes = [f"ignored {', '.join(ignored)}: Kubernetes service links, not flags of this pack "
              "(enableServiceLinks: false in the pod spec leaves them out)"] if ignored else []
     return notes + [f"ignored {flag}={environ[flag]!r}: {RETIRED_FLAGS[flag]}" for flag in sorted(RETIRED_FLAGS)
-                    if flag in environ]
+                    if flag in environ] + settings.alias_notes(environ)
 
 
 def _not_flags(environ: Mapping[str, str], known: set[str]):

@@ -92,8 +92,8 @@ def parse(environ: Mapping[str, str] = os.environ) -> Optional[Setting]:
     try:
         return Setting(every) if parse_switch(FLAG, environ) else None
     except FlagError:
-        raise FlagError(f"{FLAG}={raw!r} is not understood; accepted values are 1/on/true (report), {ABORT} (report "
-                        "and stop the rank at the first divergence it sees), 0/off/false/none (off), any case, no "
+        raise FlagError(f"{FLAG}={raw!r} is not understood; accepted values are 1/on/true/yes/y (report), {ABORT} (report "
+                        "and stop the rank at the first divergence it sees), 0/off/false/none/no/n (off), any case, no "
                         f"spaces, or leave {FLAG} unset for off") from None
 
 

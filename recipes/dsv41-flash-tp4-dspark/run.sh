@@ -94,6 +94,8 @@ fail() {
   exit "$2"
 }
 deadline=$((SECONDS + START_TIMEOUT))
+started=$SECONDS
+say "waiting up to ${START_TIMEOUT} s for 200 from $HEALTH_URL while the model loads (a line every ${POLL} s)"
 while :; do
   read -r state code restarts < <(docker inspect --format '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$NAME")
   if [ "$restarts" -gt 0 ] || { [ "$state" != running ] && [ "$state" != created ]; }; then
@@ -106,5 +108,6 @@ while :; do
   if [ "$SECONDS" -ge "$deadline" ]; then
     fail "no 200 from $HEALTH_URL within ${START_TIMEOUT} s" 1
   fi
+  say "still waiting for $HEALTH_URL: $((SECONDS - started)) s of ${START_TIMEOUT} s, container $state"
   sleep "$POLL"
 done
