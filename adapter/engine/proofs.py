@@ -218,8 +218,8 @@ def _write(folder: pathlib.Path, name: str, data: bytes) -> bool:
         if str(folder) != IMAGE_FOLDER and not folder.exists():
             folder.mkdir(parents=True)
             os.chmod(folder, 0o755)  # whatever the umask: a folder others could write would not be trusted
-        if not _trusted(folder):
-            return False  # what another user could replace is not worth writing either
+        if not folder.is_dir() or not _trusted(folder):
+            return False  # missing (the image's folder is made by its build only), or one another user could replace
         handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
     except OSError:
         return False
