@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import enum
 import gc
+import platform
 import random
 import sys
 import types
@@ -593,6 +594,37 @@ def test_the_first_check_on_a_gpu_says_which_check_serves(sm80, monkeypatch, cap
         assert fence_boundary.check_mode() == "python"
         assert capsys.readouterr().err.splitlines()[-1].endswith(
             f"folded_fence boundary check: the Python walk (no kernel library: kernel not built ({sm80.parent / 'missing.so'} missing))")
+    finally:
+        fence_boundary.use_native()
+        fence_boundary.reset()
+
+
+def test_the_scan_knows_this_pythons_object_layout(kernel):
+    """The scan's self-checks (plain instances read by tp_traverse and the managed __dict__ word, dict
+    versions) hold on this Python: bench/scan_pythons.sh runs this file on 3.11, 3.12 and 3.13."""
+    assert kernel.unknown_layout() == ""
+
+
+def test_on_a_layout_the_scan_does_not_know_the_walk_serves_and_says_so_once(sm80, monkeypatch, capsys):
+    """A Python whose layout the self-checks do not know (a later CPython, a free-threaded build): the
+    first check on a GPU finds the kernel file, and the Python walk serves every step, said once."""
+    kernel = accept_snapshot.load(str(sm80))[0]
+    monkeypatch.setattr(kernel, "unknown_layout", lambda: "dict versions (PEP 509)")
+    monkeypatch.setattr(accept_snapshot, "probed_extension", lambda: kernel)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    try:
+        epilogue = dspark(MAX_BS)[1]
+        for _ in range(3):
+            through_worker(decode_result(4), epilogue)
+        escaped = through_worker(Data(epilogue.commit_lens_buf[:2]), epilogue)
+        assert fence_boundary.check_mode() == "python" and fence_boundary._cache(epilogue)[4] is None
+        assert not shares(escaped, epilogue)  # the walk copied the view
+        lines = [line for line in capsys.readouterr().err.splitlines() if "boundary check:" in line]
+        assert len(lines) == 1 and lines[0].endswith(
+            f"folded_fence boundary check: the Python walk (the native scan does not know the object layout of "
+            f"Python {platform.python_version()}: dict versions (PEP 509))"), lines
     finally:
         fence_boundary.use_native()
         fence_boundary.reset()

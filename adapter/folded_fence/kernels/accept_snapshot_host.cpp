@@ -382,6 +382,18 @@ const PlainReads& plain_reads() {
   return reads;
 }
 
+// What the scan's self-checks (each tried once per process) find they do not know of the running
+// Python's object layout: "" where it reads as they expect (plain instances, and dict versions where
+// the headers say this Python keeps them), else what failed. A Python that fails them may differ in
+// what they do not try too, so fence_boundary leaves such a Python's checks to the Python walk.
+std::string unknown_layout() {
+  std::string unknown = plain_reads().works ? "" : "plain instances (tp_traverse, the managed __dict__ word)";
+#if PY_VERSION_HEX < 0x030E0000
+  if (!versions_kept()) unknown += std::string(unknown.empty() ? "" : "; ") + "dict versions (PEP 509)";
+#endif
+  return unknown;
+}
+
 // Whether instances of `tp` are plain (read by made_dict and tp_traverse as vars(h) reads them),
 // kept per type while its version tag holds (a class changed later gets a new one).
 bool plain_type(const BoundaryScan& s, PyTypeObject* tp) {
@@ -1594,4 +1606,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fenced_method", fenced_method, "fenced_method");
   m.def("report_sync", report_sync, "report_sync");
   m.def("views_check", views_check, "views_check");
+  m.def("unknown_layout", unknown_layout, "unknown_layout");
 }
