@@ -17,6 +17,7 @@ shift
 [ $# -ge 1 ] || set -- 3.11.7 3.12.1 3.13.0
 PYENV_ROOT=${PYENV_ROOT:-/root/.pyenv}
 mkdir -p "$OUT"
+commit="$(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- adapter tests || echo ' (with local changes)')"
 status=0
 for want in "$@"; do
   python=$want
@@ -43,6 +44,6 @@ done
 {
   echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GB, $(uname -sr)"
   echo "nvcc: $("${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version | tail -1)"
-  echo "commit: $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- adapter tests || echo ' (with local changes)')"
+  echo "commit: $commit"
 } > "$OUT/env.txt"
 exit $status

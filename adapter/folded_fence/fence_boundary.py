@@ -32,8 +32,9 @@ step runs no Python of the pack's, and what is copied and said is the walk's alo
 Which check serves is said once, at the first check on a GPU; on the CPU the Python walk
 serves and nothing is said. The scan reads CPython's object layout (a plain instance's inline
 attributes and managed __dict__ word, PEP 509 dict versions), tried once per process by the
-kernel file's self-checks: on a Python whose layout they do not know the Python walk serves,
-and the line says so (Pythons 3.11 to 3.13 are tested: bench/scan_pythons.sh).
+kernel file's self-checks (`layout()`): on a Python whose instances they do not read as expected
+the Python walk serves, and the line says so; where dict versions do not follow every change
+(3.13), the scan reads dicts in full. Pythons 3.11 to 3.13 are tested: bench/scan_pythons.sh.
 
 Cost: one look at each value the result holds and one storage lookup per tensor, and
 one look at each value and tensor of the map, every step (figures in docs/performance.md).
@@ -106,12 +107,11 @@ def _library():
     global _native
     if _native is _PROBE and torch.cuda.is_initialized():
         library = accept_snapshot.probed_extension()
-        unknown = library.unknown_layout() if library is not None else ""
-        _native = None if unknown else library
+        _native = library if library is None or library.layout()["plain_reads"] else None
         say_once("check", f"boundary check: native scan ({library.__file__})" if _native is not None else
-                          f"boundary check: the Python walk (the native scan does not know the object layout of "
-                          f"Python {platform.python_version()}: {unknown})" if unknown else
-                          f"boundary check: the Python walk (no kernel library: {accept_snapshot.copy_mode()[1]})")
+                          f"boundary check: the Python walk (no kernel library: {accept_snapshot.copy_mode()[1]})"
+                          if library is None else f"boundary check: the Python walk (the native scan does not know "
+                                                  f"how Python {platform.python_version()} lays out an instance)")
     return None if _native is _PROBE else _native
 
 

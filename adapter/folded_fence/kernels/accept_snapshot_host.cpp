@@ -382,16 +382,17 @@ const PlainReads& plain_reads() {
   return reads;
 }
 
-// What the scan's self-checks (each tried once per process) find they do not know of the running
-// Python's object layout: "" where it reads as they expect (plain instances, and dict versions where
-// the headers say this Python keeps them), else what failed. A Python that fails them may differ in
-// what they do not try too, so fence_boundary leaves such a Python's checks to the Python walk.
-std::string unknown_layout() {
-  std::string unknown = plain_reads().works ? "" : "plain instances (tp_traverse, the managed __dict__ word)";
-#if PY_VERSION_HEX < 0x030E0000
-  if (!versions_kept()) unknown += std::string(unknown.empty() ? "" : "; ") + "dict versions (PEP 509)";
-#endif
-  return unknown;
+// What the scan's self-checks (each tried once per process) found of the running Python: whether
+// it reads a plain instance as read here (tp_traverse, the managed __dict__ word), and whether a
+// dict's version (PEP 509) changes at every change the compiled test relies on (not on 3.13, where
+// an attribute stored through an instance leaves its made __dict__'s version as it was; none from
+// 3.14): where it does not, dicts are read in full. A Python whose plain instances read otherwise
+// may differ in what the checks do not try too, so fence_boundary leaves its checks to the walk.
+pybind11::dict layout() {
+  pybind11::dict found;
+  found["plain_reads"] = plain_reads().works;
+  found["dict_versions"] = versions_kept();
+  return found;
 }
 
 // Whether instances of `tp` are plain (read by made_dict and tp_traverse as vars(h) reads them),
@@ -1606,5 +1607,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fenced_method", fenced_method, "fenced_method");
   m.def("report_sync", report_sync, "report_sync");
   m.def("views_check", views_check, "views_check");
-  m.def("unknown_layout", unknown_layout, "unknown_layout");
+  m.def("layout", layout, "layout");
 }
