@@ -47,7 +47,7 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
                    (the fence's form and check_results called through wrapt, as before the kernel
                    file's fenced_method and boundary_method stood in for them once trusted)
 
-Ideas measured earlier and dropped (figures in bench/results/prebuilt_h200_fence_cost.txt):
+Ideas measured earlier and dropped (figures in docs/performance-history.md, 2026-11-29):
 ring_replay (a captured copy into preallocated slots: a slot a stalled reader could
 still hold), cat_bytes (torch.cat of byte views: nine launches' worth of host time).
 
@@ -181,8 +181,8 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
 
     def by_wrapt(call_):
         """fenced(True), trusted, then both bindings wrapt's again (the fence's form and check_results
-        called through wrapt, check_results' C form inside it): the step as bound before 2026-12-02's
-        eighth session, beside the kernel file's methods in the same run."""
+        called through wrapt, check_results' C form inside it): the step as bound before the kernel
+        file's methods stood in for them (2026-12-02), beside those methods in the same run."""
         def setup():
             fenced(True)()
             for _ in range(fence_forms.PROOF_CALLS + 1):

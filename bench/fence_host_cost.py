@@ -126,23 +126,6 @@ def rebuilt(result, logits=None):
     )
 
 
-def parts_table(parts: dict, reps: int = 15, calls=lambda name: 500) -> None:
-    """Print each of `parts` (name -> a call) in us per call, timed in loops of calls(name) with
-    the GPU synchronized around each loop: the median and quartiles of `reps` loops, the
-    parts interleaved (a diagnostic's table: bench/results/*/diag_*.py)."""
-    from bench.fence_cost import host_us as us
-
-    samples = {name: [] for name in parts}
-    for name, call in parts.items():
-        us(call, 300)
-    for _ in range(reps):
-        for name, call in parts.items():
-            samples[name].append(us(call, calls(name)))
-    for name, times in samples.items():
-        times.sort()
-        print(f"{name:<30} {statistics.median(times):7.2f}  ({times[reps // 4]:.2f}..{times[reps * 3 // 4]:.2f})")
-
-
 def worker_of(epilogue, step, checked: bool = True):
     """A worker whose forward_batch_generation is `step` (self, batch) -> result, wrapped with
     check_results as the plan wraps DSparkWorkerV2's where `checked` (through the runtime's patching,

@@ -12,9 +12,11 @@ that very call through check_results, the wrapper the plan puts on the worker's 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import enum
 import gc
+import platform
 import random
 import sys
 import types
@@ -598,6 +600,38 @@ def test_the_first_check_on_a_gpu_says_which_check_serves(sm80, monkeypatch, cap
         fence_boundary.reset()
 
 
+def test_the_scans_self_checks_on_this_python(kernel):
+    """What the self-checks find (bench/scan_pythons.sh runs this file on 3.11, 3.12 and 3.13): plain instances
+    read by tp_traverse and the managed __dict__ word on each; dict versions that follow every change up to 3.12
+    (on 3.13 an attribute stored through an instance leaves its made __dict__'s version as it was)."""
+    assert kernel.layout() == {"plain_reads": True, "dict_versions": sys.version_info < (3, 13)}
+
+
+def test_on_a_layout_the_scan_does_not_know_the_walk_serves_and_says_so_once(sm80, monkeypatch, capsys):
+    """A Python whose layout the self-checks do not know (a later CPython, a free-threaded build): the
+    first check on a GPU finds the kernel file, and the Python walk serves every step, said once."""
+    kernel = accept_snapshot.load(str(sm80))[0]
+    monkeypatch.setattr(kernel, "layout", lambda: {"plain_reads": False, "dict_versions": True})
+    monkeypatch.setattr(accept_snapshot, "probed_extension", lambda: kernel)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    try:
+        epilogue = dspark(MAX_BS)[1]
+        for _ in range(3):
+            through_worker(decode_result(4), epilogue)
+        escaped = through_worker(Data(epilogue.commit_lens_buf[:2]), epilogue)
+        assert fence_boundary.check_mode() == "python" and fence_boundary._cache(epilogue)[4] is None
+        assert not shares(escaped, epilogue)  # the walk copied the view
+        lines = [line for line in capsys.readouterr().err.splitlines() if "boundary check:" in line]
+        assert len(lines) == 1 and lines[0].endswith(
+            f"folded_fence boundary check: the Python walk (the native scan does not know how Python "
+            f"{platform.python_version()} lays out an instance)"), lines
+    finally:
+        fence_boundary.use_native()
+        fence_boundary.reset()
+
+
 def test_on_the_cpu_the_walk_serves_and_nothing_is_said(capsys):
     fence_boundary.reset()
     fence_boundary.use_native()
@@ -824,8 +858,11 @@ def test_the_compiled_freshness_test_sees_each_change_on_the_step_it_appears(epi
 # --- a plain instance read without making its __dict__ ------------------------------------------
 
 def _dict_made(obj) -> bool:
-    """Whether CPython made obj's __dict__ (the collector then visits that dict, not the values)."""
-    return any(type(r) is dict for r in gc.get_referents(obj))
+    """Whether CPython made obj's __dict__. Up to 3.12 the collector then visits that dict, not the values; from
+    3.13 it visits the values either way, so there the managed-dict word before the object's header is read."""
+    if sys.version_info < (3, 13):
+        return any(type(r) is dict for r in gc.get_referents(obj))
+    return ctypes.c_void_p.from_address(id(obj) - 3 * ctypes.sizeof(ctypes.c_void_p)).value is not None
 
 
 def test_a_new_result_is_read_without_making_its_dict_and_a_view_in_it_is_caught(epilogue):

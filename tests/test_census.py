@@ -48,24 +48,14 @@ def test_refused_when_imported(imported, release, case):
     assert_refused_at(outcome, CASES[release][case], release, outcome["where"])
 
 
-@pytest.fixture(scope="module")
-def from_sources(tmp_path_factory):
-    """Each refactor written into a copy of its release's sources and judged as `doctor --engine
-    COPY` judges it (cli.report on the copy read with SourceEngine), here in one process: the
-    command itself is run once per release below."""
-    found = {}
-    for release, case in ALL_CASES:
-        tree = tmp_path_factory.mktemp(case) / "engine"
-        where = census_cases.source_tree(release_sources(release), CASES[release][case], tree)
-        report = cli.report({}, SourceEngine(tree), wanted=required.parse(["all"]))
-        found[release, case] = (report, where)
-    return found
-
-
 @pytest.mark.parametrize("release,case", ALL_CASES)
-def test_refused_by_doctor_engine(from_sources, release, case):
+def test_refused_by_doctor_engine(tmp_path, release, case):
+    """The refactor written into a copy of its release's sources and judged as `doctor --engine COPY` judges it
+    (cli.report on the copy read with SourceEngine), here in this process, one tree per test: the command itself
+    is run once per release below."""
     refactor = CASES[release][case]
-    report, where = from_sources[release, case]
+    where = census_cases.source_tree(release_sources(release), refactor, tmp_path / "engine")
+    report = cli.report({}, SourceEngine(tmp_path / "engine"), wanted=required.parse(["all"]))
     assert report["failed"] and cli.verdict(report) == "refused"  # doctor --require all exits 69
     row = next(a for a in report["adapters"] if a["adapter"] == refactor.adapter)
     assert_refused_at({"state": row["engine_check"], "reason": row["engine_check_reason"]}, refactor, release, where)

@@ -292,15 +292,12 @@ DOCTORINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def doctored(tmp_path_factory):
-    """Each doctoring's outcomes on both sides, {name: {adapter: (installed, source)}}."""
-    out = {}
-    for name, doctoring in DOCTORINGS.items():
-        folder = tmp_path_factory.mktemp(name)
-        installed, source = doctoring.installed(folder), doctoring.source(folder)
-        out[name] = {adapter: (outcome(adapter, installed), outcome(adapter, source)) for adapter in doctoring.expect}
-    return out
+def judged(name, folder):
+    """One doctoring's outcomes on both sides, {adapter: (installed, source)}: one tree's work, so that
+    each test's timeout bounds its own."""
+    doctoring = DOCTORINGS[name]
+    installed, source = doctoring.installed(folder), doctoring.source(folder)
+    return {adapter: (outcome(adapter, installed), outcome(adapter, source)) for adapter in doctoring.expect}
 
 
 READ_ONLY = (MINIMAX,)
@@ -311,17 +308,18 @@ def test_more_doctorings_than_the_issue_names():
 
 
 @pytest.mark.parametrize("name", sorted(DOCTORINGS))
-def test_doctored(doctored, name):
-    for adapter, (state, phrase) in DOCTORINGS[name].expect.items():
-        installed, source = doctored[name][adapter]
+def test_doctored(name, tmp_path):
+    for adapter, (installed, source) in judged(name, tmp_path).items():
+        state, phrase = DOCTORINGS[name].expect[adapter]
         assert (installed.state, source.state) == (state, state), (adapter, installed.reason, source.reason)
         assert phrase in installed.reason and phrase in source.reason, (adapter, phrase, installed.reason, source.reason)
 
 
-def test_doctored_probe_applies_the_pack(doctored):
+def test_doctored_probe_applies_the_pack(tmp_path):
     """Where the engine's probe is not shown, the pack's own group minimum takes its place:
     SpecTpSync.available_memory_gb is wrapped, nothing else."""
-    installed, _ = doctored["probe_does_not_reduce"][gm.NAME]
+    installed = outcome(gm.NAME, DOCTORINGS["probe_does_not_reduce"].installed(tmp_path))
+    assert installed.state == APPLIED
     assert "SpecTpSync.available_memory_gb made the minimum over the group its caller passes" in installed.reason
 
 

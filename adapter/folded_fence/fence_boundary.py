@@ -30,7 +30,11 @@ is bound, the wrapper itself runs in C too (`boundary_check`), and the worker's 
 it with the engine's function inside (`boundary_method`, in place of wrapt's binding): a clean
 step runs no Python of the pack's, and what is copied and said is the walk's alone.
 Which check serves is said once, at the first check on a GPU; on the CPU the Python walk
-serves and nothing is said.
+serves and nothing is said. The scan reads CPython's object layout (a plain instance's inline
+attributes and managed __dict__ word, PEP 509 dict versions), tried once per process by the
+kernel file's self-checks (`layout()`): on a Python whose instances they do not read as expected
+the Python walk serves, and the line says so; where dict versions do not follow every change
+(3.13), the scan reads dicts in full. Pythons 3.11 to 3.13 are tested: bench/scan_pythons.sh.
 
 Cost: one look at each value the result holds and one storage lookup per tensor, and
 one look at each value and tensor of the map, every step (figures in docs/performance.md).
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import platform
 import weakref
 
 import torch
@@ -101,9 +106,12 @@ def _library():
     first CUDA result has not done it, and both are said once."""
     global _native
     if _native is _PROBE and torch.cuda.is_initialized():
-        _native = accept_snapshot.probed_extension()
-        say_once("check", f"boundary check: native scan ({_native.__file__})" if _native is not None else
-                          f"boundary check: the Python walk (no kernel library: {accept_snapshot.copy_mode()[1]})")
+        library = accept_snapshot.probed_extension()
+        _native = library if library is None or library.layout()["plain_reads"] else None
+        say_once("check", f"boundary check: native scan ({library.__file__})" if _native is not None else
+                          f"boundary check: the Python walk (no kernel library: {accept_snapshot.copy_mode()[1]})"
+                          if library is None else f"boundary check: the Python walk (the native scan does not know "
+                                                  f"how Python {platform.python_version()} lays out an instance)")
     return None if _native is _PROBE else _native
 
 

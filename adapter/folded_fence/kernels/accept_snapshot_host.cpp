@@ -382,6 +382,19 @@ const PlainReads& plain_reads() {
   return reads;
 }
 
+// What the scan's self-checks (each tried once per process) found of the running Python: whether
+// it reads a plain instance as read here (tp_traverse, the managed __dict__ word), and whether a
+// dict's version (PEP 509) changes at every change the compiled test relies on (not on 3.13, where
+// an attribute stored through an instance leaves its made __dict__'s version as it was; none from
+// 3.14): where it does not, dicts are read in full. A Python whose plain instances read otherwise
+// may differ in what the checks do not try too, so fence_boundary leaves its checks to the walk.
+pybind11::dict layout() {
+  pybind11::dict found;
+  found["plain_reads"] = plain_reads().works;
+  found["dict_versions"] = versions_kept();
+  return found;
+}
+
 // Whether instances of `tp` are plain (read by made_dict and tp_traverse as vars(h) reads them),
 // kept per type while its version tag holds (a class changed later gets a new one).
 bool plain_type(const BoundaryScan& s, PyTypeObject* tp) {
@@ -1594,4 +1607,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fenced_method", fenced_method, "fenced_method");
   m.def("report_sync", report_sync, "report_sync");
   m.def("views_check", views_check, "views_check");
+  m.def("layout", layout, "layout");
 }
