@@ -80,6 +80,15 @@ def test_a_misspelt_flag_stops_the_launch_and_fails_strict_doctor():
     assert ("DSV41_FOLDED_FENSE is not a flag of this pack; did you mean DSV41_FOLDED_FENCE? (its flags: DSV41_ADAPTERS, "
             "DSV41_ADAPTERS_LOG, DSV41_ADAPTERS_PROOF_CACHE, DSV41_ADAPTERS_SNAPSHOT_KERNEL, DSV41_FOLDED_FENCE, ") in done.stderr
     assert runtime.unknown_flags({"DSV41_FOLDED_FENCE": "1", "DSV41_SPEC_TP_SYNC": "all", "PATH": "/bin"}) == []
+    # doctor, with and without --strict: the verdict and its reason first, exit 78; --exit-zero for a report
+    for args, status in ((["doctor"], 78), (["doctor", "--strict"], 78), (["doctor", "--exit-zero"], 0)):
+        doctor = zygote.run([python(), "entrypoint.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=240)
+        assert doctor.returncode == status, (args, doctor.stdout[-2000:], doctor.stderr[-2000:])
+        verdict, reason = doctor.stdout.splitlines()[:2]
+        assert verdict.startswith("verdict: flag-error (exit ") and "78" in verdict, (args, verdict)
+        assert reason.startswith("  flag error: DSV41_FOLDED_FENSE is not a flag of this pack; did you mean "
+                                 "DSV41_FOLDED_FENCE?"), (args, reason)
 
 
 # --- Kubernetes service links -------------------------------------------------------------------
