@@ -21,7 +21,7 @@ BAD = ["", " ", "yes please", "2", "-1", "01", "10", "tru", "enabled", "1 ", " o
 ENGINE_WORDS = ["true", "1", "yes", "y", "false", "0", "no", "n"]
 
 
-@pytest.mark.parametrize("word", [w for word in ENGINE_WORDS for w in {word, word.upper(), word.title()}])
+@pytest.mark.parametrize("word", list(dict.fromkeys(w for word in ENGINE_WORDS for w in (word, word.upper(), word.title()))))
 def test_the_engines_boolean_words_mean_the_same_here(word):
     from sglang.srt.environ import EnvBool
 
