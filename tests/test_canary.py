@@ -580,7 +580,7 @@ def test_the_schema_is_a_schema_and_its_check_can_fail():
 def test_a_passing_verdict_in_json_names_every_figure(servers, capsys):
     base, new = servers(metrics=metrics()), servers(metrics=metrics())
     code, verdict, err = verdict_json(capsys, "--baseline", base.url, "--canary", new.url, *FAST, *SMALL)
-    assert (code, verdict["verdict"], verdict["exit_status"]) == (0, "pass", 0)
+    assert (code, verdict["verdict"], verdict["exit_status"]) == (0, "pass", 0), verdict["findings"]
     assert (verdict["canary"], verdict["baseline"]) == (new.url, base.url)
     assert verdict["metrics"]["canary"]["accept_length"] == pytest.approx(3.6)
     assert sorted(verdict["metrics"]["canary"]["ranks"]) == ["0", "1", "2", "3"]
