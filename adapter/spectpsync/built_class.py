@@ -35,13 +35,10 @@ class Built:
     name: str
     via: tuple = ()
 
-    @property
-    def renamed(self) -> bool:
-        return (self.module, self.name) != (MODULE, CLASS) or bool(self.via)
-
     def said(self) -> str:
         where = f"{self.module}.{self.name}"
-        return where if not self.via else f"{where} (reached through {' -> '.join(self.via)})"
+        hops = [hop for hop in self.via if hop != where]  # a plain import of the class says nothing more
+        return where if not hops else f"{where} (reached through {' -> '.join(hops)})"
 
 
 def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
