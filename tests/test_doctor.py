@@ -195,7 +195,8 @@ def test_doctor_adapter_keeps_the_whole_packs_verdict():
     assert done.returncode == cli.EXIT_REFUSED
     verdict, reason, *_ = done.stdout.splitlines()
     assert verdict == "verdict: refused (exit 69); of every adapter, not only those shown"
-    assert reason.startswith("  refused: rank0_broadcast DSV41_SPEC_TP_SYNC='all': sglang 0.5.16: dspark_draft_sampler")
+    assert reason.startswith("  refused: rank0_broadcast DSV41_SPEC_TP_SYNC='all': fix: drop dspark-draft from the flag")
+    assert "sglang 0.5.16: dspark_draft_sampler" in reason
     table = done.stdout.split("\n\n")[2].splitlines()
     assert [row.split()[0] for row in table] == ["adapter", "folded_fence"]
 

@@ -37,7 +37,7 @@ class Built:
 
     def said(self) -> str:
         where = f"{self.module}.{self.name}"
-        hops = [hop for hop in self.via if hop != where]  # a plain import of the class says nothing more
+        hops = [hop for hop in self.via if hop.rpartition(".")[2] != self.name]  # its own name says nothing more
         return where if not hops else f"{where} (reached through {' -> '.join(hops)})"
 
 
@@ -149,7 +149,7 @@ def built_class(contract: Contract, engine) -> Built:
         callee, text = construction(here, worker)
         if not callee:
             raise here.refuse(f"{worker}.__init__", text)
-        found[worker] = follow(here, engine, callee)
+        found[worker] = follow(here, engine, callee, (f"{name}.{callee}",))  # the name the worker builds it by
     classes = {(b.module, b.name) for b in found.values()}
     if len(classes) > 1:
         said = "; ".join(f"{worker} builds {b.module}.{b.name}" for worker, b in found.items())
