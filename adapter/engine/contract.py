@@ -159,6 +159,13 @@ class Contract:
         return list(found)
 
 
+@functools.lru_cache(maxsize=32)
+def _source_digest(text: str) -> str:
+    """A module source's sha256, kept by its text: a decision asks it of the same few sources
+    dozens of times (a str hashes once, and a kept one is found by identity first)."""
+    return proofs.digest(text)
+
+
 def source_proof(kind: str):
     """A check of one module's source alone, kept in the proof cache (engine.proofs):
     `check(contract, *plain)` runs on the contract detached from the live module, and what it
@@ -168,7 +175,7 @@ def source_proof(kind: str):
     def decorate(check):
         @functools.wraps(check)
         def kept(contract: Contract, *args):
-            key = (contract.adapter, contract.name, ("sha256", proofs.digest(contract.source())), *args)
+            key = (contract.adapter, contract.name, ("sha256", _source_digest(contract.source())), *args)
             return proofs.cached(kind, key, lambda: check(contract.detached(), *args))
         return kept
     return decorate

@@ -281,7 +281,7 @@ class SourceEngine:
                         isinstance(bound, (type, _Imported)) or callable(bound))
                     setattr(module, target.id, bound if aliased else _value(node.value, f"{name}.{target.id}"))
         elif isinstance(node, ast.ImportFrom):
-            source = self._absolute(node, package)
+            source = imported_from(node, package)
             for alias in node.names:
                 if alias.name == "*":
                     module.__star_sources__.append(source)
@@ -299,12 +299,14 @@ class SourceEngine:
             for child in node.body:
                 self._bind(module, child, package, text)
 
-    @staticmethod
-    def _absolute(node: ast.ImportFrom, package: str) -> str:
-        if not node.level:
-            return node.module or ""
-        base = package.split(".")[: len(package.split(".")) - node.level + 1]
-        return ".".join(base + ([node.module] if node.module else []))
+
+def imported_from(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` names, a relative one resolved against `package` (the
+    importing module's package)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 # A release as the registry publishes it (0.5.23, 0.5.23.post1); anything else (0.0.0.dev0,

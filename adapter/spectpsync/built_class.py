@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..engine import syntax
 from ..engine.contract import Contract, source_proof
+from ..engine.source_engine import imported_from
 from .engine_class import CLASS, MODULE
 
 WORKERS = {"sglang.srt.speculative.dspark_components.dspark_worker_v2": "DSparkWorkerV2",
@@ -41,16 +42,6 @@ class Built:
         return where if not hops else f"{where} (reached through {' -> '.join(hops)})"
 
 
-def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
-    """The module an ImportFrom names, relative imports resolved against `module`."""
-    if not node.level:
-        return node.module or ""
-    parts = module.split(".")
-    base = parts if is_package else parts[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
 def _binding(contract: Contract, name: str) -> tuple:
     package = (getattr(contract.module, "__file__", "") or "").endswith("__init__.py")
     return _bound(contract, name, package)
@@ -59,7 +50,8 @@ def _binding(contract: Contract, name: str) -> tuple:
 @source_proof("spectpsync-binding")
 def _bound(contract: Contract, name: str, package: bool) -> tuple:
     """How module-level `name` is bound in the module's source: ("class",), ("import", module,
-    name), ("alias", expression), ("factory", expression returned), or ("unknown", why)."""
+    name), ("alias", expression), ("function", the callee of its one returned construction, or
+    None), or ("unknown", why)."""
     found = []
     for node in syntax.parse(contract.source()).body:
         if isinstance(node, ast.ClassDef) and node.name == name:
@@ -67,7 +59,8 @@ def _bound(contract: Contract, name: str, package: bool) -> tuple:
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 if (alias.asname or alias.name) == name:
-                    found.append(("import", _absolute(contract.name, node, package), alias.name))
+                    found.append(("import", imported_from(node, contract.name if package else
+                                                          contract.name.rpartition(".")[0]), alias.name))
         elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             found.append(("alias", ast.unparse(node.value)))
         elif isinstance(node, ast.FunctionDef) and node.name == name:
