@@ -574,6 +574,17 @@ def test_random_shapes_agree(epilogue):
     assert seen[True, False] > 100 and seen["shared", True] > 15 and seen[False, True] > 5, seen  # each answer exercised
 
 
+def first_steps_on_a_gpu():
+    """A rank's first three decode steps through a fresh boundary check that asks for the native
+    scan (the caller has made CUDA look up); the epilogue they ran on."""
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    epilogue = dspark(MAX_BS)[1]
+    for _ in range(3):
+        through_worker(decode_result(4), epilogue)
+    return epilogue
+
+
 def test_the_first_check_on_a_gpu_says_which_check_serves(sm80, monkeypatch, capsys):
     """What a rank does at its first step: CUDA is up, the kernel file is probed (the copy's
     line, if the fence's first CUDA result has not said it) and the check says which serves."""
@@ -583,12 +594,8 @@ def test_the_first_check_on_a_gpu_says_which_check_serves(sm80, monkeypatch, cap
     monkeypatch.setattr(accept_snapshot, "_snapshot", None)
     monkeypatch.setattr(accept_snapshot, "_capability", lambda: (8, 0))  # this file serves an A100
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    fence_boundary.reset()
-    fence_boundary.use_native()
     try:
-        epilogue = dspark(MAX_BS)[1]
-        for _ in range(3):
-            through_worker(decode_result(4), epilogue)
+        first_steps_on_a_gpu()
         assert fence_boundary.check_mode() == "native"
         lines = [line for line in capsys.readouterr().err.splitlines() if "folded_fence" in line]
         assert len(lines) == 2 and lines[0].endswith(f"folded_fence copy: one-launch - {sm80}"), lines
@@ -620,12 +627,8 @@ def test_on_a_layout_the_scan_does_not_know_the_walk_serves_and_says_so_once(sm8
     monkeypatch.setattr(kernel, "layout", lambda: {"plain_reads": False, "dict_versions": True})
     monkeypatch.setattr(accept_snapshot, "probed_extension", lambda: kernel)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    fence_boundary.reset()
-    fence_boundary.use_native()
     try:
-        epilogue = dspark(MAX_BS)[1]
-        for _ in range(3):
-            through_worker(decode_result(4), epilogue)
+        epilogue = first_steps_on_a_gpu()
         escaped = through_worker(Data(epilogue.commit_lens_buf[:2]), epilogue)
         assert fence_boundary.check_mode() == "python" and fence_boundary._cache(epilogue)[4] is None
         assert not shares(escaped, epilogue)  # the walk copied the view
