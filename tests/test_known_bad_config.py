@@ -151,6 +151,10 @@ def test_doctored_trees(trees, deployments, tree, want):
         outcome = decide(engine, deployment)
         if want == "judged":
             assert outcome.state == expected(name), (tree, name, outcome.reason)
+        elif want == "decided at launch":  # within upstream's old cap whatever the kernel; beyond it, unshown
+            window_judged = expected(name)
+            assert outcome.state == (runtime.AT_LAUNCH if window_judged == runtime.REFUSED else window_judged), \
+                (tree, name, outcome.reason)
         else:
             assert outcome.state == want, (tree, name, outcome.reason)
     reason = decide(engine, deployments["block 6"]).reason
@@ -166,6 +170,11 @@ def test_doctored_trees(trees, deployments, tree, want):
         assert f"{pad}(compress_ratio, ring_size) derives the pad from the ring" in reason, reason
     if want == "decided at launch":  # the Python mirror alone never shows it
         assert "the kernel's source is not in this tree" in reason and "each rank judges" in reason, reason
+        assert "a verify window above 4 (its cap before sgl-project/sglang#34189) is safe only where it derives" \
+               in reason, reason
+        within = decide(engine, deployments["block 3"])
+        assert within.state == runtime.APPLIED and "no release's write plan kept fewer than 4" in within.reason, \
+            within.reason
 
 
 def test_the_installed_kernel_is_read(deployments):

@@ -24,8 +24,9 @@ or the names it uses:
   `c_plan.cuh`, derived from ring and window, or capped by a constant whose value is then
   the bound.
 Mirror and kernel derive the pad: superseded. The mirror derives it but the tree ships no
-kernel source: decided at launch (a rank reads its engine's), never superseded from the
-mirror alone. Otherwise the bound is the smaller cap (upstream's 4 where the kernel's source
+kernel source: never superseded from the mirror alone; a verify window within upstream's old
+cap of 4 is allowed (no release's plan kept fewer), a wider one is decided at launch (a rank
+reads its engine's, and refuses where it cannot). Otherwise the bound is the smaller cap (upstream's 4 where the kernel's source
 is not in the tree), and the deployment's verify window is judged against it.
 """
 
@@ -182,10 +183,14 @@ def plan(engine, context) -> Plan:
     said = pad.describe() if pad is not None else "the kernel's source is not in this tree"
     mirrored = mirror.describe() if mirror is not None else f"{CONFIGURATOR} bounds no draft count with a write pad"
     if mirror is not None and mirror.cap is None:
-        if pad is None:
-            raise Undecided(NAME, f"{POOL}:{KERNEL.rpartition('/')[2]} mtp_pad",
-                            f"{mirrored}, but {said}: the write plan a verify step runs cannot be shown from here; "
-                            "each rank judges its own engine's", engine.version)
+        if pad is None:  # a window within upstream's old cap is safe whatever the kernel; beyond it, unshown
+            unshown = Undecided(NAME, f"{POOL}:{KERNEL.rpartition('/')[2]} mtp_pad",
+                                f"{mirrored}, but {said}: the write plan a verify step runs cannot be shown from "
+                                f"here, and a verify window above {UPSTREAM_CAP} (its cap before "
+                                "sgl-project/sglang#34189) is safe only where it derives the pad; each rank judges "
+                                "its own engine's", engine.version)
+            how = f"{mirrored}; {said}, and no release's write plan kept fewer than {UPSTREAM_CAP} draft tokens"
+            return _judge(engine, pool, UPSTREAM_CAP, how, context, beyond=unshown)
         if pad.cap is None:
             return Plan("superseded", f"the engine derives the DeepSeek-V4 compress write pad itself: {mirrored}; the "
                                       f"engine refuses a verify window beyond it itself; {said}",
@@ -199,7 +204,9 @@ def plan(engine, context) -> Plan:
     return _judge(engine, pool, bound, how, context)
 
 
-def _judge(engine, pool: Contract, bound: int, how: str, context) -> Plan:
+def _judge(engine, pool: Contract, bound: int, how: str, context, beyond: Optional[Undecided] = None) -> Plan:
+    """The deployment's window against `bound`; beyond it, refused, or `beyond` raised where
+    the bound is only the smallest the tree could have."""
     args = context.topology.server_args if context.topology is not None else None
     if args is None:
         raise Undecided(NAME, "speculative_num_draft_tokens",
@@ -218,6 +225,8 @@ def _judge(engine, pool: Contract, bound: int, how: str, context) -> Plan:
     if window <= bound:
         return Plan("applied", f"DSpark verify window {window} ({said}) is within the bound: {how}; nothing patched",
                     short_reason=f"DSpark verify window {window} is within the {bound} draft tokens the write plan keeps")
+    if beyond is not None:
+        raise beyond
     raise pool.refuse(PAD, f"DSpark verify window {window} exceeds {bound} ({said}): {how}, so a DeepSeek-V4 verify "
                            f"step under-writes the compress-state ring and later compressions read stale KV, corrupting "
                            f"output without an error ({THREADS}); safe: {SAFE}; a target without DeepSeek-V4 "
