@@ -29,6 +29,7 @@ import pytest
 
 from tests.agreement_cases import combos
 from harness.engines import ENGINE_PATHS, ROOT
+from harness.first_use import OnFirstUse
 from harness.ranks import run_ranks
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -53,11 +54,9 @@ def table():
 @pytest.fixture(scope="module")
 def by_layout(tmp_path_factory):
     model = str(tmp_path_factory.mktemp("model"))
-    t23 = run_ranks(1, "tests.agreement_cases:layouts", release="0.5.23", timeout=900,
-                    kwargs={"model_dir": model, "source_tree": SITE_PACKAGES})[0]
-    t18 = run_ranks(1, "tests.agreement_cases:layouts", release="0.5.18", timeout=900,
-                    kwargs={"model_dir": model, "source_tree": str(ENGINE_PATHS["0.5.18"][0])})[0]
-    return {"0.5.23": t23, "0.5.18": t18}
+    trees = {"0.5.23": SITE_PACKAGES, "0.5.18": str(ENGINE_PATHS["0.5.18"][0])}
+    return OnFirstUse(lambda release: run_ranks(1, "tests.agreement_cases:layouts", release=release, timeout=900,
+                                                kwargs={"model_dir": model, "source_tree": trees[release]})[0])
 
 
 @pytest.mark.parametrize("release", ["0.5.23", "0.5.18"])

@@ -18,6 +18,7 @@ import subprocess
 import pytest
 
 from harness import next_release
+from harness.first_use import OnFirstUse
 from harness.engines import ROOT, python
 from harness.nccl import spawn_ranks
 from harness.ranks import run_ranks
@@ -53,7 +54,7 @@ CASES = [({}, None), ({"DSV41_GROUP_MIN_MEM": "1"}, None), *[(ON, layout) for la
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory):
     base = tmp_path_factory.mktemp("next")
-    yield {name: next_release.tree(base / name, fixes, label) for name, (fixes, label) in TREES.items()}
+    yield OnFirstUse(lambda name: next_release.tree(base / name, *TREES[name]))
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -75,32 +76,33 @@ def source_decisions(tree) -> list:
 @pytest.fixture(scope="module")
 def judged(trees):
     """{tree: {"import": [...], "source": [...]}}, one entry per CASES item."""
-    out = {}
-    for name, tree in trees.items():
-        imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
-                             kwargs={"cases": CASES}, timeout=600)[0]
-        out[name] = {"import": imported, "source": source_decisions(tree)}
-    return out
+    def judge(name):
+        tree = trees[name]
+        imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"},
+                             warm=False, kwargs={"cases": CASES}, timeout=600)[0]
+        return {"import": imported, "source": source_decisions(tree)}
+    return OnFirstUse(judge)
 
 
 def case(judged, name, env, layout, side="import"):
     return judged[name][side][CASES.index((env, layout))]
 
 
-def test_source_and_import_agree_on_every_tree(judged):
-    for name, sides in judged.items():
-        for (env, layout), imported, source in zip(CASES, sides["import"], sides["source"]):
-            assert imported["states"] == source["states"], (name, env, layout, imported["reasons"], source["reasons"])
-            assert imported["env"] == source["env"] and imported["patches"] == source["patches"], (name, env, layout)
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_source_and_import_agree_on_every_tree(judged, name):
+    sides = judged[name]
+    for (env, layout), imported, source in zip(CASES, sides["import"], sides["source"]):
+        assert imported["states"] == source["states"], (name, env, layout, imported["reasons"], source["reasons"])
+        assert imported["env"] == source["env"] and imported["patches"] == source["patches"], (name, env, layout)
 
 
-def test_no_fix_is_ever_refused(judged):
-    for name, sides in judged.items():
-        for (env, layout), row in zip(CASES, sides["import"]):
-            report = row["states"].get("tp_divergence")
-            if layout == (4, 4) and report == runtime.REFUSED:  # one rank per batch: nothing to compare, as on 0.5.23
-                continue
-            assert runtime.REFUSED not in row["states"].values(), (name, env, layout, row["reasons"])
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_no_fix_is_ever_refused(judged, name):
+    for (env, layout), row in zip(CASES, judged[name]["import"]):
+        report = row["states"].get("tp_divergence")
+        if layout == (4, 4) and report == runtime.REFUSED:  # one rank per batch: nothing to compare, as on 0.5.23
+            continue
+        assert runtime.REFUSED not in row["states"].values(), (name, env, layout, row["reasons"])
 
 
 @pytest.mark.parametrize("name", ["39954", "39954-refactor", "all", "all-refactor"])
@@ -198,25 +200,26 @@ def test_doctor_strict_passes_on_a_fixed_engine_with_no_flag(trees, name):
 @pytest.fixture(scope="module")
 def by_layout(trees, tmp_path_factory):
     model = str(tmp_path_factory.mktemp("model"))
-    return {name: run_ranks(1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{trees[name]}{os.pathsep}{ROOT}"}, warm=False,
-                            kwargs={"model_dir": model, "source_tree": str(trees[name])}, timeout=900)[0]
-            for name in ("all", "all-refactor")}
+    return OnFirstUse(lambda name: run_ranks(
+        1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{trees[name]}{os.pathsep}{ROOT}"}, warm=False,
+        kwargs={"model_dir": model, "source_tree": str(trees[name])}, timeout=900)[0])
 
 
-def test_the_agreement_table_holds_on_the_next_release(by_layout):
+@pytest.mark.parametrize("name", ["all", "all-refactor"])
+def test_the_agreement_table_holds_on_the_next_release(by_layout, name):
     """doctor, doctor --engine, the wrapper (the command read with the engine's own parser) and
     a rank (the ServerArgs its Scheduler receives) agree on every flag combination and layout."""
-    for name, layouts in by_layout.items():
-        assert sorted(layouts) == ["tp4", "tp4-dp-attention-tp1", "tp4-dp-attention-tp2", "tp4-dspark"]
-        for layout, found in layouts.items():
-            assert len(found["rows"]) == len(combos())
-            for env, row in zip(combos(), found["rows"]):
-                assert row["doctor"] == row["sources"] == row["wrapper"] == row["rank"], (name, layout, env)
-                assert row["launch_refused"] == row["rank_refused"] == row["doctor_failed"], (name, layout, env)
-        # the fix is seen: no layout applies the pack's memory probe
-        memory = {layout: found["rows"][combos().index({"DSV41_GROUP_MIN_MEM": "1"})]["rank"]["group_min_memory"]
-                  for layout, found in layouts.items()}
-        assert set(memory.values()) == {runtime.SUPERSEDED}, (name, memory)
+    layouts = by_layout[name]
+    assert sorted(layouts) == ["tp4", "tp4-dp-attention-tp1", "tp4-dp-attention-tp2", "tp4-dspark"]
+    for layout, found in layouts.items():
+        assert len(found["rows"]) == len(combos())
+        for env, row in zip(combos(), found["rows"]):
+            assert row["doctor"] == row["sources"] == row["wrapper"] == row["rank"], (name, layout, env)
+            assert row["launch_refused"] == row["rank_refused"] == row["doctor_failed"], (name, layout, env)
+    # the fix is seen: no layout applies the pack's memory probe
+    memory = {layout: found["rows"][combos().index({"DSV41_GROUP_MIN_MEM": "1"})]["rank"]["group_min_memory"]
+              for layout, found in layouts.items()}
+    assert set(memory.values()) == {runtime.SUPERSEDED}, (name, memory)
 
 
 # ---------------------------------------------------------------- grammar and presets the engine changes
@@ -231,35 +234,35 @@ CHANGED = {
 }
 
 
-@pytest.fixture(scope="module")
-def changed(tmp_path_factory):
-    out = {}
-    for name, edits in CHANGED.items():
-        tree = next_release.tree(tmp_path_factory.mktemp(name), (), "0.5.24")
-        next_release.edit(tree, next_release.SYNC, *edits)
-        cases = [({"DSV41_SPEC_TP_SYNC": "7,8"}, (4, 1)), ({"DSV41_SPEC_TP_SYNC": "all"}, (4, 1)),
+CHANGED_CASES = [({"DSV41_SPEC_TP_SYNC": "7,8"}, (4, 1)), ({"DSV41_SPEC_TP_SYNC": "all"}, (4, 1)),
                  ({"DSV41_GROUP_MIN_MEM": "1"}, (4, 1))]
-        imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
-                             kwargs={"cases": cases}, timeout=600)[0]
-        engine = SourceEngine(tree)
-        source = [as_row(runtime.decide(env, engine, topology=Topology(*layout))) for env, layout in cases]
-        out[name] = (imported, source)
-    return out
+
+
+@pytest.fixture(params=sorted(CHANGED))
+def changed(request, tmp_path):
+    """(the name, its verdicts imported, from source) for one changed grammar or preset."""
+    name = request.param
+    tree = next_release.tree(tmp_path / name, (), "0.5.24")
+    next_release.edit(tree, next_release.SYNC, *CHANGED[name])
+    imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"},
+                         warm=False, kwargs={"cases": CHANGED_CASES}, timeout=600)[0]
+    engine = SourceEngine(tree)
+    return name, imported, [as_row(runtime.decide(env, engine, topology=Topology(*layout)))
+                            for env, layout in CHANGED_CASES]
 
 
 def test_a_changed_grammar_gets_one_verdict_from_source_and_import(changed):
-    for name, (imported, source) in changed.items():
-        for found, expected in zip(imported, source):
-            assert found["states"] == expected["states"], (name, found["reasons"], expected["reasons"])
-            assert found["env"] == expected["env"], name
-    no_numbers, _ = changed["no-numbers"]
-    assert no_numbers[0]["env"]["rank0_broadcast"] == {"SGLANG_SPEC_TP_SYNC": "dspark-plan,dspark-accept-greedy"}
-    assert no_numbers[0]["states"]["rank0_broadcast"] == runtime.SUPERSEDED
-    without_memory, _ = changed["all-without-memory"]
-    # the pack's `all` keeps the memory sites on; the engine's own default leaves them out
-    assert without_memory[1]["env"]["rank0_broadcast"] == {"SGLANG_SPEC_TP_SYNC": "all,dspark-mem,dflash-mem"}
-    assert without_memory[2]["states"]["group_min_memory"] == runtime.REFUSED
-    assert "leaves out sites 1:dspark-mem, 12:dflash-mem" in without_memory[2]["reasons"]["group_min_memory"]
+    name, imported, source = changed
+    for found, expected in zip(imported, source):
+        assert found["states"] == expected["states"], (name, found["reasons"], expected["reasons"])
+        assert found["env"] == expected["env"], name
+    if name == "no-numbers":
+        assert imported[0]["env"]["rank0_broadcast"] == {"SGLANG_SPEC_TP_SYNC": "dspark-plan,dspark-accept-greedy"}
+        assert imported[0]["states"]["rank0_broadcast"] == runtime.SUPERSEDED
+    else:  # the pack's `all` keeps the memory sites on; the engine's own default leaves them out
+        assert imported[1]["env"]["rank0_broadcast"] == {"SGLANG_SPEC_TP_SYNC": "all,dspark-mem,dflash-mem"}
+        assert imported[2]["states"]["group_min_memory"] == runtime.REFUSED
+        assert "leaves out sites 1:dspark-mem, 12:dflash-mem" in imported[2]["reasons"]["group_min_memory"]
 
 
 def test_doctor_engine_says_decided_at_launch_where_the_class_cannot_run(tmp_path):
