@@ -134,3 +134,23 @@ def test_a_reason_too_long_for_its_line_keeps_its_fix_whole_and_cuts_at_a_word()
     assert oneline.fit(bad, 60) == "safe: --block-size 3 or lower; a window 5 exceeds 4..."
     assert oneline.fit("one two three four five six seven", 20) == "one two three..."  # never mid-word
     assert oneline.cut("fenced TargetVerifyExecutor.accept_and_finalize; fenced", 40) == "fenced TargetVerifyExecutor..."
+
+
+def test_a_line_said_while_another_thread_imports_torch_distributed_is_the_launchers(label, monkeypatch, capsys):
+    """A progress line fires from its own thread while the main thread imports the engine: torch.distributed
+    may sit in sys.modules half initialised then (seen under load: `partially initialized module
+    'torch.distributed' has no attribute 'is_initialized'`), and the line must still be said."""
+    import sys
+    import types
+
+    from sglang_dsv41_adapters.framework import progress
+
+    half = types.ModuleType("torch.distributed")
+    half.is_available = lambda: True  # is_initialized not defined yet: the import is under way
+    monkeypatch.setitem(sys.modules, "torch.distributed", half)
+    assert log.process_label() == log.LAUNCHER
+    with progress.step("importing", first=0.05, every=10):
+        import time
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert "rank=launcher progress: importing (0 s)" in err and "Traceback" not in err, err

@@ -68,8 +68,11 @@ def process_label() -> str:
     if _label is not None:
         return _label
     dist = sys.modules.get("torch.distributed")  # never imported here: only read if the process has it
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return str(dist.get_rank())
+    try:  # another thread may be importing it (a progress line during the engine's import): half there
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return str(dist.get_rank())
+    except AttributeError:
+        pass
     return LAUNCHER
 
 
