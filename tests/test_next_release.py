@@ -30,6 +30,7 @@ from sglang_dsv41_adapters.framework.topology import Topology
 from sglang_dsv41_adapters.spectpsync import engine_class, selected_sites
 from tests.agreement_cases import combos
 from tests.next_release_cases import row as as_row
+from tests.test_refactors import build_doctor
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -187,14 +188,17 @@ def test_40246_site_31_leaves_the_engine_the_paths_it_broadcasts(judged):
 
 
 @pytest.mark.parametrize("name", ["all", "all-refactor"])
-def test_doctor_strict_passes_on_a_fixed_engine_with_no_flag(trees, name):
-    for argv, env in ((["doctor", "--strict"], tree_env(trees[name])),
-                      (["doctor", "--strict", "--engine", str(trees[name])], tree_env(ROOT))):
-        done = subprocess.run([python(), "entrypoint.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
+def test_doctor_strict_passes_on_a_fixed_engine_with_no_flag(trees, name, tmp_path):
+    """The Dockerfile's own doctor command with no flag required, on the tree imported as the image's
+    Python imports its engine, and doctor --strict --engine on its sources."""
+    built, record = build_doctor(trees[name], "", tmp_path)
+    engine = subprocess.run([python(), "entrypoint.py", "doctor", "--strict", "--engine", str(trees[name])], cwd=ROOT,
+                            env=tree_env(ROOT), capture_output=True, text=True, timeout=300)
+    for done in (built, engine):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "verdict: ok" in done.stdout
+        assert done.stdout.startswith("verdict: ok (exit 0)")
         assert TREES[name][1] in done.stdout  # the label it was judged under, said
+    assert TREES[name][1] in record.read_text()
 
 
 @pytest.fixture(scope="module")
