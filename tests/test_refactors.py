@@ -6,9 +6,8 @@ to a staticmethod, and a site of the engine's own at a number the pack uses
 
 Each tree is its own test case (its own timeout): judged from its sources (doctor --engine)
 and imported (a child interpreter with the tree first on its path, as a rank), the two
-verdicts equal, and the Dockerfile's own doctor command run on it. One tree of each kind of
-verdict, and the write pad renamed and moved, go through the whole agreement table: doctor,
-doctor --engine, the wrapper and a rank's ServerArgs on every layout and flag combination.
+verdicts equal, and the Dockerfile's own doctor command run on it. The whole agreement table
+on one tree of each kind: tests/test_refactors_agreement.py.
 """
 
 from __future__ import annotations
@@ -19,16 +18,12 @@ import subprocess
 
 import pytest
 
-import importlib.util
-import pathlib
-
-from harness import next_release, write_pad
+from harness import next_release
 from harness.engines import ROOT, python
 from harness.ranks import run_ranks
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.topology import Topology
-from tests.agreement_cases import combos
 from tests.next_release_cases import row as as_row
 from tests.test_image import DOCKERFILE, dockerfile_args
 
@@ -137,34 +132,3 @@ def test_the_image_build_fails_for_a_required_flag_the_pack_refuses(tmp_path):
     named, _ = build_doctor(tree, "DSV41_FOLDED_FENCE,DSV41_GROUP_MIN_MEM", tmp_path)  # flags it does not refuse
     assert named.returncode == 0, named.stdout[-2000:]
 
-
-SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
-TABLE_TREES = {  # one tree of each row of verdicts above, and the write pad by another name and home
-    "moved-reexport": lambda into: next_release.tree(into, ["moved-reexport"], SHAPES["moved-reexport"][0]),
-    "decorator-wraps": lambda into: next_release.tree(into, ["decorator-wraps"], SHAPES["decorator-wraps"][0]),
-    "site-31": lambda into: next_release.tree(into, ["site-31"], SHAPES["site-31"][0]),
-    "subclass-drops-broadcast": lambda into: next_release.tree(into, ["subclass-drops-broadcast"], "0.5.24"),
-    "write-pad-renamed": lambda into: write_pad.renamed(SITE_PACKAGES, into),
-    "write-pad-moved": lambda into: write_pad.moved(SITE_PACKAGES, into),
-}
-
-
-@pytest.mark.parametrize("name", sorted(TABLE_TREES))
-def test_the_agreement_table_holds_on_each_kind_of_refactor(name, tmp_path):
-    tree, model = TABLE_TREES[name](tmp_path / name), tmp_path / "model"
-    model.mkdir()
-    layouts = run_ranks(1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
-                        kwargs={"model_dir": str(model), "source_tree": str(tree)}, timeout=280)[0]
-    assert "tp4-dspark" in layouts and len(layouts) >= 4, sorted(layouts)
-    for layout, found in layouts.items():
-        assert len(found["rows"]) == len(combos())
-        for env, row in zip(combos(), found["rows"]):
-            assert row["doctor"] == row["sources"] == row["wrapper"] == row["rank"], (name, layout, env, row["reasons"])
-            assert row["launch_refused"] == row["rank_refused"] == row["doctor_failed"], (name, layout, env)
-    if name == "subclass-drops-broadcast":  # the table shows the refusal, not only agreement
-        tp4 = layouts["tp4"]["rows"][combos().index({"DSV41_SPEC_TP_SYNC": "all"})]
-        assert tp4["rank"]["rank0_broadcast"] == R and tp4["rank_refused"], tp4["reasons"]
-    if name.startswith("write-pad"):  # the pad found by what it does: the engine guards itself
-        guarded = [row["rank"]["known_bad_config"] for row in layouts["tp4-dspark"]["rows"]
-                   if "known_bad_config" in row["rank"] and row["rank"]["known_bad_config"] != OFF]
-        assert guarded and set(guarded) == {S}, guarded
