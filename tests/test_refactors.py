@@ -131,4 +131,3 @@ def test_the_image_build_fails_for_a_required_flag_the_pack_refuses(tmp_path):
     assert '"required"' in record.read_text()
     named, _ = build_doctor(tree, "DSV41_FOLDED_FENCE,DSV41_GROUP_MIN_MEM", tmp_path)  # flags it does not refuse
     assert named.returncode == 0, named.stdout[-2000:]
-
