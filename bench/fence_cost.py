@@ -43,6 +43,9 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
                    since capture. They share the epilogue's memory, so the check copies them at
                    each step (in C, once a first copy in Python found their keys), though nothing
                    in 0.5.23 reads them after the worker returns (docs/performance.md); over step_floor
+  fence_boundary_graph_nocopy  the same step with logits of the same size and layout over memory the epilogue
+                   does not hold: the check finds nothing to copy. What the graph step would cost where the
+                   copy is not needed (nothing reads the logits after the worker returns); over step_floor
   fence_wrapt, fence_boundary_step_wrapt  fence and fence_boundary_step with both bindings wrapt's
                    (the fence's form and check_results called through wrapt, as before the kernel
                    file's fenced_method and boundary_method stood in for them once trusted)
@@ -173,6 +176,8 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
     # the graph's output, which static_io[bs].logits holds since capture (the check copies them)
     graph_logits = full.static_io[bs].logits
     from_graph = worker_of(full, lambda self, batch: rebuilt(result, logits=graph_logits[: bs * STRIDE]))
+    unshared_logits = torch.empty_like(graph_logits)  # the graph's output's size and layout, not the epilogue's memory
+    not_copied = worker_of(full, lambda self, batch: rebuilt(result, logits=unshared_logits[: bs * STRIDE]))
 
     def with_boundary(worker=worker):
         outs = executor.accept_and_finalize(**kw)
@@ -215,6 +220,7 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         "step_floor": (unpatched, lambda: with_boundary(bare)),
         "fence_boundary_step": (fenced(True), lambda: with_boundary(served)),
         "fence_boundary_graph": (fenced(True), lambda: with_boundary(from_graph)),
+        "fence_boundary_graph_nocopy": (fenced(True), lambda: with_boundary(not_copied)),
         "fence_wrapt": (by_wrapt(call), call),
         "fence_boundary_step_wrapt": (by_wrapt(lambda: with_boundary(served)), lambda: with_boundary(served)),
     }
@@ -222,7 +228,7 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         table = {"empty_launch": (unpatched, ext.empty_launch), **table}
     else:
         for name in ("fence", "fence_general", "fence_boundary", "fence_boundary_captured", "fence_boundary_step",
-                     "fence_boundary_graph", "fence_wrapt", "fence_boundary_step_wrapt"):
+                     "fence_boundary_graph", "fence_boundary_graph_nocopy", "fence_wrapt", "fence_boundary_step_wrapt"):
             table.pop(name)
     # Every fenced variant returns detached copies of the right values (checked untimed),
     # and the fence is the cheap form where the engine allows it.
@@ -246,6 +252,8 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
     assert fresh is not result and fresh.accept_lens is result.accept_lens, "a new result over the same tensors, unchanged"
     copied = from_graph.forward_batch_generation(None).logits_output.next_token_logits
     assert copied.untyped_storage().data_ptr() != graph_logits.untyped_storage().data_ptr(), "the graph's logits left uncopied"
+    kept = not_copied.forward_batch_generation(None).logits_output.next_token_logits
+    assert kept.untyped_storage().data_ptr() == unshared_logits.untyped_storage().data_ptr(), "logits copied that share nothing"
     print(f"bs={bs}: the boundary check is {fence_boundary.check_mode()}, the worker's method bound as "
           f"{type(vars(type(served))['forward_batch_generation']).__name__}", flush=True)
     unpatched()
@@ -292,7 +300,8 @@ def launches(call) -> dict:
 
 # A row over a floor of its own (else over the unfenced call): the whole fenced steps with a new
 # result each step, over the unpatched call and the same worker unwrapped.
-FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "step_floor", "fence_boundary_step_wrapt": "step_floor"}
+FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "step_floor",
+          "fence_boundary_graph_nocopy": "step_floor", "fence_boundary_step_wrapt": "step_floor"}
 
 
 def over_unfenced(row: dict, yard: str) -> dict:
