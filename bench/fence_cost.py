@@ -42,10 +42,12 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
                    returns them: a slice of the graph's output, which static_io[bs].logits holds
                    since capture. They share the epilogue's memory, so the check copies them at
                    each step (in C, once a first copy in Python found their keys), though nothing
-                   in 0.5.23 reads them after the worker returns (docs/performance.md); over step_floor
+                   in 0.5.23 reads them after the worker returns (docs/performance.md); over graph_floor
+  graph_floor      step_floor with the worker returning the graph's logits slice (the engine's own slice at
+                   each step), unwrapped: the floor of the two graph rows
   fence_boundary_graph_nocopy  the same step with logits of the same size and layout over memory the epilogue
                    does not hold: the check finds nothing to copy. What the graph step would cost where the
-                   copy is not needed (nothing reads the logits after the worker returns); over step_floor
+                   copy is not needed (nothing reads the logits after the worker returns); over graph_floor
   fence_wrapt, fence_boundary_step_wrapt  fence and fence_boundary_step with both bindings wrapt's
                    (the fence's form and check_results called through wrapt, as before the kernel
                    file's fenced_method and boundary_method stood in for them once trusted)
@@ -178,6 +180,7 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
     from_graph = worker_of(full, lambda self, batch: rebuilt(result, logits=graph_logits[: bs * STRIDE]))
     unshared_logits = torch.empty_like(graph_logits)  # the graph's output's size and layout, not the epilogue's memory
     not_copied = worker_of(full, lambda self, batch: rebuilt(result, logits=unshared_logits[: bs * STRIDE]))
+    graph_bare = worker_of(full, lambda self, batch: rebuilt(result, logits=graph_logits[: bs * STRIDE]), checked=False)
 
     def with_boundary(worker=worker):
         outs = executor.accept_and_finalize(**kw)
@@ -219,6 +222,7 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         "fence_boundary_captured": (fenced(True), lambda: with_boundary(after_capture)),
         "step_floor": (unpatched, lambda: with_boundary(bare)),
         "fence_boundary_step": (fenced(True), lambda: with_boundary(served)),
+        "graph_floor": (unpatched, lambda: with_boundary(graph_bare)),
         "fence_boundary_graph": (fenced(True), lambda: with_boundary(from_graph)),
         "fence_boundary_graph_nocopy": (fenced(True), lambda: with_boundary(not_copied)),
         "fence_wrapt": (by_wrapt(call), call),
@@ -300,8 +304,8 @@ def launches(call) -> dict:
 
 # A row over a floor of its own (else over the unfenced call): the whole fenced steps with a new
 # result each step, over the unpatched call and the same worker unwrapped.
-FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "step_floor",
-          "fence_boundary_graph_nocopy": "step_floor", "fence_boundary_step_wrapt": "step_floor"}
+FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "graph_floor",
+          "fence_boundary_graph_nocopy": "graph_floor", "fence_boundary_step_wrapt": "step_floor"}
 
 
 def over_unfenced(row: dict, yard: str) -> dict:
