@@ -22,19 +22,19 @@ from tests.test_refactors import OFF, R, S, SHAPES
 pytestmark = pytest.mark.timeout(300)
 
 SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
-TABLE_TREES = {  # one tree of each row of test_refactors.SHAPES' verdicts, and the write pad by another name and home
-    "moved-reexport": lambda into: next_release.tree(into, ["moved-reexport"], SHAPES["moved-reexport"][0]),
-    "decorator-wraps": lambda into: next_release.tree(into, ["decorator-wraps"], SHAPES["decorator-wraps"][0]),
-    "site-31": lambda into: next_release.tree(into, ["site-31"], SHAPES["site-31"][0]),
-    "subclass-drops-broadcast": lambda into: next_release.tree(into, ["subclass-drops-broadcast"], "0.5.24"),
-    "write-pad-renamed": lambda into: write_pad.renamed(SITE_PACKAGES, into),
-    "write-pad-moved": lambda into: write_pad.moved(SITE_PACKAGES, into),
-}
+TABLE_TREES = ["moved-reexport", "decorator-wraps", "site-31", "subclass-drops-broadcast",  # a tree of each row of
+               "write-pad-renamed", "write-pad-moved"]  # test_refactors.SHAPES' verdicts, and the write pad moved
+
+
+def table_tree(name: str, into: pathlib.Path) -> pathlib.Path:
+    if name.startswith("write-pad-"):
+        return {"renamed": write_pad.renamed, "moved": write_pad.moved}[name.removeprefix("write-pad-")](SITE_PACKAGES, into)
+    return next_release.tree(into, [name], SHAPES[name][0])
 
 
 @pytest.mark.parametrize("name", sorted(TABLE_TREES))
 def test_the_agreement_table_holds_on_each_kind_of_refactor(name, tmp_path):
-    tree, model = TABLE_TREES[name](tmp_path / name), tmp_path / "model"
+    tree, model = table_tree(name, tmp_path / name), tmp_path / "model"
     model.mkdir()
     layouts = run_ranks(1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
                         kwargs={"model_dir": str(model), "source_tree": str(tree)}, timeout=280)[0]
