@@ -26,8 +26,9 @@ or the names it uses:
 Mirror and kernel derive the pad: superseded. The mirror derives it but the tree ships no
 kernel source: never superseded from the mirror alone; a verify window within upstream's old
 cap of 4 is allowed (no release's plan kept fewer), a wider one is decided at launch (a rank
-reads its engine's, and refuses where it cannot). Otherwise the bound is the smaller cap (upstream's 4 where the kernel's source
-is not in the tree), and the deployment's verify window is judged against it.
+reads its engine's, and refuses where it cannot). Otherwise the bound is the smaller cap
+(upstream's 4 where the kernel's source is not in the tree), and the deployment's verify
+window is judged against it.
 """
 
 from __future__ import annotations

@@ -23,9 +23,11 @@ rm -rf "$DEST/.gpu" "$DEST/.dist" && mkdir -p "$DEST/.gpu" "$DEST/.whl" "$DEST/.
 cp -r bench/gpu/setup.sh bench/gpu/run.sh bench/gpu/resolved_window.sh bench/gpu/stubs "$DEST/.gpu/"
 site=$(.venv/bin/python -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent)')
 # tar's status 1 is "a file changed as we read it": a hard link made to an engine file meanwhile (the tests'
-# next-release trees) changes its ctime, not its content. The plan kernel's source goes too: an installed
-# engine ships it, and known_bad_config reads its write pad there (source_engine.KERNEL_SOURCES)
-sources() { find sglang \( -name '*.py' -o -path '*/csrc/deepseek_v4/c_plan.cuh' \) -print0 |
+# next-release trees) changes its ctime, not its content. The kernel sources the pack reads go too (an installed
+# engine ships them; known_bad_config reads the plan kernel's write pad): source_engine.KERNEL_SOURCES, one list
+readarray -t kernels < <(.venv/bin/python -c 'from sglang_dsv41_adapters.engine.source_engine import KERNEL_SOURCES
+for path in KERNEL_SOURCES: print(f"-o\n-path\n*{path}")')
+sources() { find sglang \( -name '*.py' "${kernels[@]}" \) -print0 |
   { tar --null -T - --warning=no-file-changed -cJf - || [ $? -eq 1 ]; }; }
 (cd "$site" && sources) > "$DEST/.gpu/sglang-src.tar.xz"
 (cd .engines/sglang-0.5.18 && sources) > "$DEST/.gpu/sglang18-src.tar.xz"
