@@ -40,9 +40,12 @@ of the folded `TargetVerifyExecutor.accept_and_finalize` of the real sglang 0.5.
                    rows above hand one result back, whose holders' __dict__s a first read made)
   fence_boundary_graph  the same with the result's logits as 0.5.23's default decode graph backend
                    returns them: a slice of the graph's output, which static_io[bs].logits holds
-                   since capture. They share the epilogue's memory, so the check copies them at
-                   each step (in C, once a first copy in Python found their keys), though nothing
-                   in 0.5.23 reads them after the worker returns (docs/performance.md); over graph_floor
+                   since capture. They share the epilogue's memory; the check leaves them in place
+                   as a served rank does once its watch is over, where logits_readers shows from the
+                   installed engine's code that nothing reads them after the worker returns (the
+                   bench fails where it does not); over graph_floor
+  fence_boundary_graph_copied  the same with the logits copied at each step (logits_readers.decide(None):
+                   what a rank does where the proof does not hold, and every rank did before it)
   graph_floor      step_floor with the worker returning the graph's logits slice (the engine's own slice at
                    each step), unwrapped: the floor of the two graph rows
   fence_boundary_graph_nocopy  the same step with logits of the same size and layout over memory the epilogue
@@ -83,7 +86,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary, fence_forms
+from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary, fence_forms, logits_readers
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import patching, runtime  # noqa: E402
 from sglang_dsv41_adapters.framework.plan import Patch  # noqa: E402
@@ -153,9 +156,17 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
             patching.apply(Patch(TVE, ORIGINAL, wrapper), folded_fence.NAME)
         return setup
 
-    def fenced(one_launch: bool):
+    logits_readers.decide()
+    served_logits = logits_readers.decision()  # the installed engine's proof, as a rank makes it
+    assert served_logits is not None, "the proof does not hold on this engine: the graph's logits are copied"
+
+    def fenced(one_launch: bool, logits: str = "left"):
+        """The fence and the boundary check as a served rank has them; the graph's logits `left` in
+        place as the proof decided (the rank's watch over), or `copied`."""
         def setup():
             unpatched()
+            logits_readers.decide(served_logits if logits == "left" else None)
+            logits_readers.watched_for(0)
             fence_on()
             accept_snapshot.use_extension(one_launch)
             form = next(s.patch.wrapper for s in patching.applied() if s.name == ORIGINAL)
@@ -224,6 +235,7 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         "fence_boundary_step": (fenced(True), lambda: with_boundary(served)),
         "graph_floor": (unpatched, lambda: with_boundary(graph_bare)),
         "fence_boundary_graph": (fenced(True), lambda: with_boundary(from_graph)),
+        "fence_boundary_graph_copied": (fenced(True, "copied"), lambda: with_boundary(from_graph)),
         "fence_boundary_graph_nocopy": (fenced(True), lambda: with_boundary(not_copied)),
         "fence_wrapt": (by_wrapt(call), call),
         "fence_boundary_step_wrapt": (by_wrapt(lambda: with_boundary(served)), lambda: with_boundary(served)),
@@ -232,7 +244,8 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
         table = {"empty_launch": (unpatched, ext.empty_launch), **table}
     else:
         for name in ("fence", "fence_general", "fence_boundary", "fence_boundary_captured", "fence_boundary_step",
-                     "fence_boundary_graph", "fence_boundary_graph_nocopy", "fence_wrapt", "fence_boundary_step_wrapt"):
+                     "fence_boundary_graph", "fence_boundary_graph_copied", "fence_boundary_graph_nocopy", "fence_wrapt",
+                     "fence_boundary_step_wrapt"):
             table.pop(name)
     # Every fenced variant returns detached copies of the right values (checked untimed),
     # and the fence is the cheap form where the engine allows it.
@@ -254,8 +267,12 @@ def variants(verify, epilogue, executor, device, bs: int, original, full) -> dic
     assert after_capture.forward_batch_generation(None) is result and fence_boundary.detach_escapes(result, full)[1] == []
     fresh = served.forward_batch_generation(None)
     assert fresh is not result and fresh.accept_lens is result.accept_lens, "a new result over the same tensors, unchanged"
+    left = from_graph.forward_batch_generation(None).logits_output.next_token_logits
+    assert left.untyped_storage().data_ptr() == graph_logits.untyped_storage().data_ptr(), "the graph's logits copied"
+    table["fence_boundary_graph_copied"][0]()
     copied = from_graph.forward_batch_generation(None).logits_output.next_token_logits
     assert copied.untyped_storage().data_ptr() != graph_logits.untyped_storage().data_ptr(), "the graph's logits left uncopied"
+    fenced(True)()
     kept = not_copied.forward_batch_generation(None).logits_output.next_token_logits
     assert kept.untyped_storage().data_ptr() == unshared_logits.untyped_storage().data_ptr(), "logits copied that share nothing"
     print(f"bs={bs}: the boundary check is {fence_boundary.check_mode()}, the worker's method bound as "
@@ -305,7 +322,8 @@ def launches(call) -> dict:
 # A row over a floor of its own (else over the unfenced call): the whole fenced steps with a new
 # result each step, over the unpatched call and the same worker unwrapped.
 FLOORS = {"fence_boundary_step": "step_floor", "fence_boundary_graph": "graph_floor",
-          "fence_boundary_graph_nocopy": "graph_floor", "fence_boundary_step_wrapt": "step_floor"}
+          "fence_boundary_graph_copied": "graph_floor", "fence_boundary_graph_nocopy": "graph_floor",
+          "fence_boundary_step_wrapt": "step_floor"}
 
 
 def over_unfenced(row: dict, yard: str) -> dict:

@@ -25,7 +25,7 @@ import msgspec
 import pytest
 import torch
 
-from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary, holders
+from sglang_dsv41_adapters.folded_fence import accept_snapshot, fence_boundary, holders, logits_readers
 from bench.fence_host_cost import decode_result, dspark
 
 pytestmark = pytest.mark.timeout(300)  # the first test may build the kernel file (conftest's sm80)
@@ -39,11 +39,14 @@ def kernel(sm80):
 
 @pytest.fixture
 def epilogue(kernel):
-    """A real 0.5.23 DsparkVerifyEpilogue on the CPU, the native scan serving the boundary check."""
+    """A real 0.5.23 DsparkVerifyEpilogue on the CPU, the native scan serving the boundary check,
+    every route copied (the logits' own route is left in place only where a test says so)."""
     fence_boundary.reset()
+    logits_readers.decide(None)
     fence_boundary.use_native(kernel)
     yield dspark(MAX_BS)[1]
     fence_boundary.use_native()
+    logits_readers.decide()
     fence_boundary.reset()
 
 
@@ -587,7 +590,9 @@ def first_steps_on_a_gpu():
 
 def test_the_first_check_on_a_gpu_says_which_check_serves(sm80, monkeypatch, capsys):
     """What a rank does at its first step: CUDA is up, the kernel file is probed (the copy's
-    line, if the fence's first CUDA result has not said it) and the check says which serves."""
+    line, if the fence's first CUDA result has not said it), the check says which serves and what
+    it does with the graph's logits (logits_readers, from the installed engine's code)."""
+    logits_readers.decide()
     monkeypatch.setenv(accept_snapshot.PATH_ENV, str(sm80))
     monkeypatch.setattr(accept_snapshot, "_mode", None)
     monkeypatch.setattr(accept_snapshot, "_kernel", None)
@@ -598,8 +603,10 @@ def test_the_first_check_on_a_gpu_says_which_check_serves(sm80, monkeypatch, cap
         first_steps_on_a_gpu()
         assert fence_boundary.check_mode() == "native"
         lines = [line for line in capsys.readouterr().err.splitlines() if "folded_fence" in line]
-        assert len(lines) == 2 and lines[0].endswith(f"folded_fence copy: one-launch - {sm80}"), lines
+        assert len(lines) == 3 and lines[0].endswith(f"folded_fence copy: one-launch - {sm80}"), lines
         assert lines[1].endswith(f"folded_fence boundary check: native scan ({sm80})"), lines
+        assert "folded_fence boundary: the graph's logits (logits_output.next_token_logits) are left in place after " \
+               f"the first {logits_readers.WATCH_STEPS} steps with logits, watched: no code reads" in lines[2], lines
         monkeypatch.setenv(accept_snapshot.PATH_ENV, str(sm80.parent / "missing.so"))
         monkeypatch.setattr(accept_snapshot, "_mode", None)
         monkeypatch.setattr(accept_snapshot, "_kernel", None)

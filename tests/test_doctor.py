@@ -54,8 +54,10 @@ def test_doctor_checks_the_engine_even_with_the_flag_off_on_0_5_18():
     fence = next(a for a in report["adapters"] if a["adapter"] == "folded_fence")
     assert (fence["value"], fence["outcome"], fence["engine_check"]["outcome"]) == (None, "off", "applied")
     # 0.5.18 has one escape route only: no sampling-accept graph, no block_accept_lens view.
-    assert fence["engine_check"]["reason"] == ("fenced TargetVerifyExecutor.accept_and_finalize; "
-                                              "boundary check at DSparkWorkerV2.forward_batch_generation")
+    assert fence["engine_check"]["reason"].startswith(
+        "fenced TargetVerifyExecutor.accept_and_finalize; boundary check at DSparkWorkerV2.forward_batch_generation; "
+        "the graph's logits left in place where they leave the worker after a watched start: no code reads ")
+    assert fence["engine_check"]["short_reason"] == "fenced 1 escape route; graph logits left in place"
     # The same engine read from its sources (as the compatibility matrix does) agrees with every adapter's import check.
     engine = SourceEngine(ENGINE_PATHS["0.5.18"][0])
     assert engine.version == "0.5.18"
@@ -122,9 +124,9 @@ def test_the_default_is_the_table_then_one_line_per_adapter(every_flag_on):
     for line in lines:
         assert len(line) <= runtime.DOCTOR_LINE_LIMIT and "..." not in line, line  # this deployment's fit whole
     line = dict(zip(ADAPTERS, lines))
-    # applied: the routes the fence covers; superseded: the engine's own class, and what was handed to it
-    assert line["folded_fence"] == ("folded_fence: applied - fenced TargetVerifyExecutor.accept_and_finalize; fenced "
-                                    "DsparkSamplingAcceptGraph.run; fenced DSparkWorkerV2._block_accept_lens")
+    # applied: the routes the fence covers and what it does with the graph's logits; superseded: the engine's
+    # own class, and what was handed to it
+    assert line["folded_fence"] == "folded_fence: applied - fenced 3 escape routes; graph logits left in place"
     assert line["rank0_broadcast"] == ("rank0_broadcast: superseded - the engine's SpecTpSync broadcasts sites 1,7-17; "
                                        "handed to SGLANG_SPEC_TP_SYNC='all'")
     assert line["group_min_memory"].startswith("group_min_memory: superseded - the engine's SpecTpSync reduces sites 1,12")

@@ -369,12 +369,13 @@ def test_dense_copy_is_clone_for_what_it_copies_and_clone_for_the_rest():
 
 
 def test_the_served_graph_steps_logits_are_copied_by_the_c_check_and_keep_their_step(monkeypatch):
-    """0.5.23's default decode graph hands out its logits as a slice of the graph's output, which
-    the epilogue's static_io[bs].logits holds: the boundary copies them where they leave the
-    worker. The first step's copy is made in Python (finding the keys down to them); each later
-    step's, at every batch size, by the C check (dense_copy). Each step's handed-out logits keep that step's values
-    while the next "replays" rewrite the graph's output, over 16 steps per batch size."""
-    from sglang_dsv41_adapters.folded_fence import fence_boundary
+    """Where the proof does not hold (logits_readers.decide(None)): 0.5.23's default decode graph hands
+    out its logits as a slice of the graph's output, which the epilogue's static_io[bs].logits holds,
+    and the boundary copies them where they leave the worker. The first step's copy is made in Python
+    (finding the keys down to them); each later step's, at every batch size, by the C check
+    (dense_copy). Each step's handed-out logits keep that step's values while the next "replays"
+    rewrite the graph's output, over 16 steps per batch size."""
+    from sglang_dsv41_adapters.folded_fence import fence_boundary, logits_readers
     from bench.fence_host_cost import captured, decode_result, rebuilt, worker_of
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -382,6 +383,7 @@ def test_the_served_graph_steps_logits_are_copied_by_the_c_check_and_keep_their_
     captured(epilogue)  # static_io as capture leaves it: per batch size, views of the runner's buffers
     fence_boundary.reset()
     fence_boundary.use_native()
+    logits_readers.decide(None)
     python_copies = []
     copied = fence_boundary._copied
     monkeypatch.setattr(fence_boundary, "_copied",
@@ -410,5 +412,129 @@ def test_the_served_graph_steps_logits_are_copied_by_the_c_check_and_keep_their_
             # each step after the first ran the kernel file's method: its class holds it in wrapt's place
             assert type(vars(type(worker))["forward_batch_generation"]).__name__ == "boundary_checked_method"
     finally:
+        logits_readers.decide()
+        fence_boundary.reset()
+        fence_boundary.use_native()
+
+
+LEFT_STEPS = 8  # served steps after the watch, per batch size
+
+
+def served_steps(device, bs: int, steps: int, late_logits: bool = False) -> list:
+    """A served rank's decode steps on the graph path, each as the worker makes it: the replay writes
+    the graph's output (a pattern of the step's own), a grammar mask is applied to it in place, the
+    request's logprobs and top-2 logprobs are computed from it (the engine's compute_spec_logprobs), and
+    the result leaves the worker through the boundary check; then the scheduler's readback
+    (GenerationBatchResult.copy_to_cpu on a copy stream that waits for the forward stream, stalled by
+    a spin kernel) while the next steps run. With `late_logits`, the readback also reads the handed-out
+    logits (a consumer the engine does not have). Returns per step: (whether the logits were handed out
+    in the graph's own memory, what the host read, what it should read)."""
+    from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+    from sglang.srt.utils.common import async_d2h
+    from bench.fence_host_cost import captured, decode_result, rebuilt, worker_of
+
+    epilogue = new_epilogue(device)
+    captured(epilogue)
+    output = epilogue.static_io[bs].logits
+    rows, vocab = bs * STRIDE, output.shape[1]
+    batch = types.SimpleNamespace(seq_lens=torch.zeros(bs, device=device), top_logprobs_nums=[2] * bs,
+                                  token_ids_logprobs=None, sampling_info=types.SimpleNamespace(is_all_greedy=True))
+    masked = torch.arange(vocab, device=device) % 5 == 0  # the grammar's forbidden tokens
+    result = decode_result(bs, device=device)
+    made = {}
+
+    def verify(self, batch_):
+        rebuilt_ = rebuilt(result, logits=output[:rows])
+        output[:rows].masked_fill_(masked, float("-inf"))  # grammar_mask.apply, in place on the graph's output
+        predict = torch.argmax(output[:rows], dim=-1)
+        compute_spec_logprobs(batch, rebuilt_.logits_output, predict, chain_stride=STRIDE)
+        made["predict"] = predict
+        return rebuilt_
+
+    worker = worker_of(epilogue, verify)
+    forward, copy = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    found = []
+    for step in range(steps):
+        with torch.cuda.stream(forward):
+            pattern = torch.arange(rows * vocab, device=device, dtype=torch.float32).view(rows, vocab)
+            output[:rows].copy_(torch.sin(pattern * (0.001 * (step + 1))) * (step + 1))  # the step's replay
+            expected_logits = output[:rows].masked_fill(masked, float("-inf"))
+            expected = torch.log_softmax(expected_logits, dim=-1)
+            handed = worker.forward_batch_generation(None)
+            want = expected.gather(1, made["predict"].view(-1, 1)).view(bs, STRIDE)
+            top = expected.topk(2, dim=-1).values
+        copy.wait_stream(forward)
+        with torch.cuda.stream(copy):
+            torch.cuda._sleep(STALL_CYCLES)  # longer than the host takes to queue the next replay
+            in_place = handed.logits_output.__dict__["next_token_logits"].untyped_storage().data_ptr() == \
+                output.untyped_storage().data_ptr()
+            late = async_d2h(handed.logits_output.next_token_logits) if late_logits else None
+            handed.copy_done = torch.cuda.Event()  # Scheduler.run_batch sets it before the readback
+            handed.copy_to_cpu(return_logprob=True, return_hidden_states=False)
+        found.append((in_place, (handed, late), (want, top, expected_logits)))
+    torch.cuda.synchronize()
+    return [(in_place, (h.logits_output.next_token_logprobs, h.logits_output.next_token_top_logprobs_val, late),
+             (want.cpu(), top.cpu(), logits.cpu())) for in_place, (h, late), (want, top, logits) in found]
+
+
+@pytest.mark.parametrize("bs", (8, 64, 256))
+def test_the_served_graph_steps_logits_are_left_after_the_watch_and_logprobs_keep_their_step(bs):
+    """The installed engine's proof holds (nothing reads the logits after the worker returns): the
+    first WATCH_STEPS results' logits are copied while watched, every later one is left in the
+    graph's memory, which the next replay rewrites, and the native check serves. Every step's
+    logprobs and top logprobs, asked for by the request and computed before the worker returns,
+    read back as that step's, grammar mask included."""
+    from sglang_dsv41_adapters.folded_fence import fence_boundary, logits_readers
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    logits_readers.decide()
+    try:
+        assert logits_readers.decision() is not None, "the proof does not hold on the installed engine"
+        steps = served_steps(device, bs, logits_readers.WATCH_STEPS + LEFT_STEPS)
+        assert [in_place for in_place, _, _ in steps] == [False] * logits_readers.WATCH_STEPS + [True] * LEFT_STEPS
+        assert logits_readers.leaving() is not None and fence_boundary.check_mode() == "native"
+        for step, (_, (logprobs, top, _), (want, want_top, _)) in enumerate(steps):
+            assert torch.allclose(logprobs, want), (bs, step)
+            assert torch.allclose(torch.stack(top), want_top), (bs, step)
+    finally:
+        logits_readers.decide()
+        fence_boundary.reset()
+        fence_boundary.use_native()
+
+
+def test_a_copy_of_the_engine_that_reads_the_logits_late_gets_the_copy_back(tmp_path):
+    """A doctored 0.5.23 whose result processing reads the logits after the worker returns: its proof
+    does not hold, the rank copies them at every step, and a late reader (here the readback itself)
+    reads each step's logits while the next replays rewrite the graph's output. The same late read
+    with the logits left shows what the copy prevents: a later step's values."""
+    from sglang_dsv41_adapters.folded_fence import fence_boundary, logits_readers
+    from tests.test_graph_logits import AFTER_DECODE, BATCH_RESULTS, doctored
+
+    def checked_run(**kwargs):
+        """served_steps after an untimed round of the same: the readback's pinned host blocks then
+        come from the allocator's cache, not cudaHostAlloc, which would wait for the stalled stream."""
+        served_steps(device, 64, 8, late_logits=True)
+        torch.cuda.synchronize()
+        return served_steps(device, 64, 8, late_logits=True)
+
+    engine = doctored(tmp_path, BATCH_RESULTS, AFTER_DECODE,
+                      AFTER_DECODE + "        result.logits_output.next_token_logits.sum()\n")
+    found = logits_readers.verdict(engine)
+    assert not found.unread and "reads logits_output.next_token_logits after the worker returns" in found.why
+    device = torch.device("cuda", torch.cuda.current_device())
+    fence_boundary.reset()
+    fence_boundary.use_native()
+    try:
+        logits_readers.decide(None)  # what the doctored engine's proof gives a rank
+        for in_place, (logprobs, _, late), (want, _, logits) in checked_run():
+            assert not in_place and torch.equal(late, logits) and torch.allclose(logprobs, want)
+        logits_readers.decide(logits_readers._running((logits_readers.RESULT, logits_readers.LOGITS)))
+        logits_readers.watched_for(0)
+        stale = [not torch.equal(late, logits) for in_place, (_, _, late), (_, _, logits) in checked_run()]
+        assert any(stale), "left in place, a late reader still read each step's logits: the stall did not hold"
+    finally:
+        logits_readers.decide()
         fence_boundary.reset()
         fence_boundary.use_native()

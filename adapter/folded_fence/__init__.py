@@ -32,7 +32,7 @@ from ..framework.flags import parse_switch
 from ..framework.ledger import Ledger, UpstreamFix
 from ..framework.plan import Patch, Plan, combine
 from ..framework.surface import Surface
-from . import accept_snapshot, fence_boundary, fence_forms
+from . import accept_snapshot, fence_boundary, fence_forms, logits_readers
 
 NAME = "folded_fence"
 FLAG = "DSV41_FOLDED_FENCE"
@@ -379,8 +379,17 @@ def check(engine, enabled: bool, context) -> Plan:
     plan = combine(NAME, engine.version, [_module_plan(contract, engine) for contract in contracts.values()])
     _census(engine, modules[VERIFY])
     if plan.state == "applied":
+        routes = len(plan.patches)
         plan.patches.append(_boundary_patch(contracts[WORKER]))
-        plan.detail += f"; boundary check at {BOUNDARY}"
+        logits = logits_readers.verdict(engine)
+        decided = "left in place" if logits.unread else "copied"
+        plan.detail += (f"; boundary check at {BOUNDARY}; the graph's logits {decided} where they leave the worker"
+                        f"{' after a watched start' if logits.unread else ''}: {logits.why}")
+        # doctor's one line: the routes counted (each named by `doctor folded_fence`), the engine's own
+        # snapshot where a module has one, and what the boundary does with the graph's logits
+        notes = [part for part in plan.short_reason.split("; ") if not part.startswith("fenced ")]
+        plan.short_reason = "; ".join([f"fenced {routes} escape route{'s' if routes > 1 else ''}", *notes,
+                                       f"graph logits {decided}"])
     return plan
 
 

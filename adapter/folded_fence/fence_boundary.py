@@ -36,6 +36,12 @@ kernel file's self-checks (`layout()`): on a Python whose instances they do not 
 the Python walk serves, and the line says so; where dict versions do not follow every change
 (3.13), the scan reads dicts in full. Pythons 3.11 to 3.13 are tested: bench/scan_pythons.sh.
 
+One route is left where it is, never copied: the result's `logits_output.next_token_logits`, where
+logits_readers shows from the engine's code that nothing reads it after the worker returns and the
+rank's first steps with logits, copied and watched, saw no read (0.5.23's decode graph hands out its
+logits this way at every step: copying them was most of the served step's cost). Only that route, of
+the result's own type holding that logits output's type: the same tensor held anywhere else is copied.
+
 Cost: one look at each value the result holds and one storage lookup per tensor, and
 one look at each value and tensor of the map, every step (figures in docs/performance.md).
 """
@@ -49,7 +55,7 @@ import weakref
 
 import torch
 
-from . import accept_snapshot, holders
+from . import accept_snapshot, holders, logits_readers
 from ..framework import log, metrics, patching
 
 MAX_DEPTH = 4      # the result's own fields are level 1: a view two objects down is level 3
@@ -136,12 +142,14 @@ def _checked(result, epilogue, found=None):
             scan = (_storages.get(id(epilogue)) or _cache(epilogue))[4]  # detach_escapes' first look, inline
             found = False if scan is None else scan(result, epilogue)
         if found is True:
-            return result
-        if found:
-            copied = _copied(result, found, epilogue)
-            if copied is not None:
-                return copied
-        return _walk(result, epilogue)[0]
+            checked = result
+        elif found and (copied := _copied(result, found, epilogue)) is not None:
+            checked = copied
+        else:
+            checked = _walk(result, epilogue)[0]
+        if logits_readers.watching():
+            logits_readers.watch(checked)
+        return checked
     except Exception as exc:  # noqa: BLE001 - never break a step; said once
         say_once(("failed", type(result)), f"boundary: could not check a {type(result).__name__} leaving the worker "
                                            f"({type(exc).__name__}: {exc}); its tensors were not compared with the verify graph's buffers")
@@ -321,18 +329,46 @@ def _map(epilogue, before: tuple = None) -> tuple:
         owner = weakref.ref(epilogue, functools.partial(_forget, _storages, id(epilogue)))
     except TypeError:  # no weak references to it: held, so its id is not reused while mapped
         owner = epilogue
-    library = _library()
+    library, leave = _library(), _leaving()
     scan = None if library is None else library.boundary_scan(  # bound once: the same test of this map's freshness
         holders.KINDS, holders._layouts, (holders.LEAF, holders.TENSOR, holders.SEQUENCE, holders.MAPPING, holders.HOLDER),
         (torch.Tensor, torch.nn.Parameter), owner, (_FREE, _BEYOND, _ANY), nodes, tensors, addresses,
-        list(storages), MAX_DEPTH, MAX_VALUES)
+        list(storages), MAX_DEPTH, MAX_VALUES, leave and (*leave, logits_readers.HOLDER, logits_readers.LOGITS_FIELD))
     _storages.pop(id(epilogue), None)  # the newest last
     cached = _storages[id(epilogue)] = (owner, nodes, (tuple(tensors), addresses), storages, scan, routes, moved)
     while len(_storages) > 8:  # epilogues kept alive by a cycle through their map: the oldest go
         _storages.pop(next(iter(_storages)))
-    if scan is not None:
+    if scan is not None and not logits_readers.watching():  # while watching, every step passes _checked
         _serve_native(library)
     return cached
+
+
+def _leaving():
+    """(result type, logits type) whose logits route is left in place, or None (logits_readers)."""
+    try:
+        return logits_readers.leaving()
+    except Exception:  # noqa: BLE001 - no decision: everything is copied
+        return None
+
+
+def _left(queue: list, at: int, key) -> bool:
+    """The walk's form of the scan's rule: the tensor at `key` of the holder at `at` is the
+    result's logits_output.next_token_logits, of the types logits_readers left in place."""
+    leave = _leaving()
+    if leave is None or key != logits_readers.LOGITS_FIELD:
+        return False
+    holder, level, parent, held_at = queue[at]
+    return (level == 2 and parent == 0 and held_at == logits_readers.HOLDER and type(queue[0][0]) is leave[0]
+            and type(holder) is leave[1])
+
+
+def _remap() -> None:
+    """What is left in place changed: every map is made again, its scan bound to the new rule."""
+    _storages.clear()
+    _plans.clear()
+
+
+logits_readers.when_changed(_remap)
 
 
 def _forget(maps: dict, key: int, owner) -> None:
@@ -473,7 +509,7 @@ def _walk(result, epilogue) -> tuple[object, list[str]]:
                         buffer = storages.get(value.untyped_storage().data_ptr())
                     except Exception:  # noqa: BLE001 - no storage to share (sparse, nested): nothing to copy
                         continue
-                    if buffer is not None:
+                    if buffer is not None and not _left(queue, at, key):
                         changes.setdefault(at, {})[key] = value.clone()
                         routes.append(f"{_route(_where(queue, at), holder, key)} <- {buffer}")
                 elif level < MAX_DEPTH:

@@ -47,7 +47,8 @@ MODE='import sys, sglang_dsv41_adapters; from sglang_dsv41_adapters.folded_fence
   echo "== sm_80-only kernel"; as_runner /usr/bin/env SGLANG_ADAPTERS_SNAPSHOT_KERNEL=$K80 python3 -c "$MODE"
   echo "== no kernel file"; as_runner /usr/bin/env SGLANG_ADAPTERS_SNAPSHOT_KERNEL=/opt/none.so python3 -c "$MODE"
 } 2>&1 | tee $OUT/checks.txt
-as_runner python3 -m pytest tests/test_fence_gpu.py -q -rA -p no:cacheprovider 2>&1 | tee $OUT/test_fence_gpu.log | tail -25
-as_runner python3 bench/fence_cost.py ${BENCH_ARGS:-} --json /tmp/run/out/fence_cost.json 2>&1 | tee $OUT/fence_cost.txt | tail -24
+as_runner python3 -m pytest tests/test_fence_gpu.py -q -rA -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee $OUT/test_fence_gpu.log | tail -25
+[ "${BENCH:-1}" = 0 ] ||  # BENCH=0: the tests only (TEST_ARGS: pytest's, e.g. -k NAME)
+  as_runner python3 bench/fence_cost.py ${BENCH_ARGS:-} --json /tmp/run/out/fence_cost.json 2>&1 | tee $OUT/fence_cost.txt | tail -24
 cp /tmp/run/out/fence_cost.json $OUT/ 2>/dev/null
 echo "changed under /opt/pack and /opt/sglang-dsv41 by the runs: $(listing | diff /tmp/opt-before.txt - | wc -l) lines"

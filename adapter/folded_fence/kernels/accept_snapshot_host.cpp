@@ -83,6 +83,9 @@ struct BoundaryScan {
   mutable std::vector<std::pair<PyTypeObject*, PyObject*>> kinds_met;
   std::vector<size_t> distinct_storages;  // the first tensor over each distinct StorageImpl
   std::vector<uintptr_t> storages;  // the map's storages
+  // fence_boundary._left: the result's type, its logits output's type, the attribute holding that
+  // output and the output's logits field; a tensor found there is left in place (nullptr: none is)
+  PyObject *leave_result = nullptr, *leave_logits = nullptr, *leave_holder = nullptr, *leave_field = nullptr;
   // same_state as flat reads, compiled from a full pass that held (compile_state); empty: none
   mutable struct Compiled {
     bool ready = false;
@@ -108,7 +111,7 @@ struct BoundaryScan {
   long max_values;
   ~BoundaryScan() {
     for (PyObject* o : {kinds, layouts, leaf, tensor, sequence, mapping, holder, plain_tensor, parameter, dict_name,
-                        owner, free, beyond, any}) Py_XDECREF(o);
+                        owner, free, beyond, any, leave_result, leave_logits, leave_holder, leave_field}) Py_XDECREF(o);
     for (Node& n : nodes) {
       Py_XDECREF(n.holder);
       for (PyObject* o : n.slots) Py_XDECREF(o);
@@ -513,6 +516,8 @@ bool each_held(const BoundaryScan& s, PyObject* h, F&& f) {
   return each_value(s, h, f);
 }
 
+bool reads_at(PyObject* holder, PyObject* key, PyObject* expected);
+
 struct Walk {
   const BoundaryScan& s;
   PyObject* epilogue;
@@ -532,7 +537,16 @@ struct Walk {
     return read;
   }
   bool found_shared(PyObject* tensor, uintptr_t address);
+  bool left_in_place(PyObject* tensor) const;
 };
+
+// fence_boundary._left: `tensor` is the result's logits_output.next_token_logits, the result and the
+// output of the types logits_readers showed nothing reads them through after the worker returns.
+bool Walk::left_in_place(PyObject* tensor) const {
+  if (s.leave_result == nullptr || depth != 2) return false;
+  if ((PyObject*)Py_TYPE(path[0]) != s.leave_result || (PyObject*)Py_TYPE(path[1]) != s.leave_logits) return false;
+  return reads_at(path[0], s.leave_holder, path[1]) && reads_at(path[1], s.leave_field, tensor);
+}
 
 bool Walk::found_shared(PyObject* tensor, uintptr_t address) {
   if (shared == nullptr && (shared = PyList_New(0)) == nullptr) return false;
@@ -559,7 +573,8 @@ bool Walk::value(PyObject* v, int level) {
     if (tp != s.plain_tensor && tp != s.parameter) return false;  // a subclass may answer otherwise
     uintptr_t address;
     if (!address_of(THPVariable_Unpack(v), address)) return false;
-    return std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end() || found_shared(v, address);
+    return std::find(s.storages.begin(), s.storages.end(), address) == s.storages.end() || left_in_place(v) ||
+           found_shared(v, address);
   }
   if (level >= s.max_depth) return false;  // too deep: the walk reports it
   return holder(v, level + 1);
@@ -1542,9 +1557,12 @@ pybind11::object report_sync(pybind11::object slow, pybind11::dict state, pybind
 pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pybind11::tuple kind_names,
                                pybind11::tuple tensor_types, pybind11::object owner, pybind11::tuple markers,
                                pybind11::list nodes, pybind11::list tensors, std::vector<uint64_t> addresses,
-                               std::vector<uint64_t> storages, int64_t max_depth, int64_t max_values) {
+                               std::vector<uint64_t> storages, int64_t max_depth, int64_t max_values,
+                               pybind11::object leave) {
   TORCH_CHECK(kind_names.size() == 5 && tensor_types.size() == 2 && markers.size() == 3 &&
               tensors.size() == addresses.size(), "boundary_scan: bad arguments");
+  TORCH_CHECK(leave.is_none() || (pybind11::isinstance<pybind11::tuple>(leave) && pybind11::len(leave) == 4),
+              "boundary_scan: leave is None or (result type, logits type, holder name, field name)");
   auto* s = new BoundaryScan{};
   auto own = [](pybind11::handle h) { return h.inc_ref().ptr(); };
   s->kinds = own(kinds);
@@ -1589,6 +1607,13 @@ pybind11::object boundary_scan(pybind11::dict kinds, pybind11::dict layouts, pyb
   s->storages.assign(storages.begin(), storages.end());
   s->max_depth = (int)max_depth;
   s->max_values = (long)max_values;
+  if (!leave.is_none()) {
+    auto spec = leave.cast<pybind11::tuple>();
+    s->leave_result = own(spec[0]);
+    s->leave_logits = own(spec[1]);
+    s->leave_holder = PyUnicode_InternFromString(spec[2].cast<std::string>().c_str());
+    s->leave_field = PyUnicode_InternFromString(spec[3].cast<std::string>().c_str());
+  }
   return bound_function(s, kScanCapsule, &kScanMethod);
 }
 
