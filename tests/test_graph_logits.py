@@ -15,7 +15,6 @@ import pathlib
 import types
 
 import pytest
-import torch
 
 from sglang_dsv41_adapters.engine.installed import InstalledEngine
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine

@@ -51,24 +51,17 @@ PLAIN_DECORATORS = frozenset({"builtins.staticmethod", "builtins.classmethod", "
                               "functools.wraps", "abc.abstractmethod", "typing.override", "typing.final"})
 
 
-class Gap(NamedTuple):
-    """Where the following stops: the value goes somewhere it cannot see past."""
+class Place(NamedTuple):
+    """A place in the engine's code: a read the following found there, or (with `why`) a gap, where the
+    value goes somewhere the following cannot see past."""
     module: str
     line: int
     function: str
-    why: str
+    why: str = ""
 
     def said(self) -> str:
-        return f"{self.module.replace('.', '/')}.py:{self.line} ({self.function}) {self.why}"
-
-
-class Read(NamedTuple):
-    module: str
-    line: int
-    function: str
-
-    def said(self) -> str:
-        return f"{self.module.replace('.', '/')}.py:{self.line} ({self.function})"
+        where = f"{self.module.replace('.', '/')}.py:{self.line} ({self.function})"
+        return f"{where} {self.why}" if self.why else where
 
 
 # ------------------------------------------------------------------ the engine's sources
@@ -618,7 +611,7 @@ class _Function:
         self.an.users[what].add(self.key)
 
     def gap(self, node, why: str) -> None:
-        self.an.gaps.add(Gap(self.module, getattr(node, "lineno", self.node.lineno), self.where, why))
+        self.an.gaps.add(Place(self.module, getattr(node, "lineno", self.node.lineno), self.where, why))
 
     def run(self) -> None:
         self.uses(("params", self.key))
@@ -788,7 +781,7 @@ class _Function:
                 continue
             cls = token[1]
             if token[0] == "value" and (cls, node.attr) == self.an.question.read and id(node) not in self.identity:
-                self.an.reads.add(Read(self.module, node.lineno, self.where))
+                self.an.reads.add(Place(self.module, node.lineno, self.where))
             held = self.an.question.holds.get((cls, node.attr))
             if token[0] == "value" and held is not None:
                 found |= frozenset({value(held)})
@@ -1109,7 +1102,6 @@ class _Function:
                     elif where[0] == "outside":
                         return None, f"{token[1].name}.{func.attr} may come from {where[1]}"
                     else:
-                        built = self.an.components(token[1], func.attr) if token[0] == "object" else None
                         return None, f"{token[1].name}.{func.attr} is not a method found in the sources"
                 elif token[0] in ("items", "tuple"):
                     if func.attr not in ADDING | TAKING:

@@ -25,6 +25,7 @@ proof's verdict and the watch's are said once each.
 
 from __future__ import annotations
 
+import ast
 import dis
 import functools
 import importlib
@@ -116,11 +117,11 @@ def _verdict(sources) -> Verdict:
 
 
 def _calls(node, name: str) -> bool:
-    return isinstance(node, flow.ast.Call) and isinstance(node.func, flow.ast.Attribute) and node.func.attr == name
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
 
 
 def _loads(node, name: str) -> bool:
-    return isinstance(node, flow.ast.Attribute) and node.attr == name
+    return isinstance(node, ast.Attribute) and node.attr == name
 
 
 # ------------------------------------------------------------------ at run time, in a rank
