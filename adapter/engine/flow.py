@@ -19,6 +19,12 @@ it is not followed, a callee wrapped by a decorator that is not known to call it
 proof holds only with no gap. The following is flow-insensitive (every statement of a function
 counts, in any order) and path-insensitive: it may find a read that never runs, never miss one
 it can see.
+
+What it does not see, said so that a proof is read for what it is: code that is not Python of the
+engine's sources (an extension module handed the value is a gap, one that reaches it by itself is
+not seen), and objects two steps from the value (an object of a class that keeps the value in one
+of its own attributes is followed as a holder; one that only holds such an object is not). The
+run-time side of a proof (folded_fence.logits_readers' watch) covers what the first steps run.
 """
 
 from __future__ import annotations
