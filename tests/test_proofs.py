@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -233,6 +234,15 @@ def test_processes_writing_at_once_leave_only_whole_entries(tmp_path):
         out, err = writer.communicate(timeout=120)
         assert (writer.returncode, out.strip()) == (0, "[]"), err
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+def test_a_folder_another_process_made_meanwhile_is_written_to(tmp_path, monkeypatch):
+    """Ranks start at once: each finds the folder missing, and all but the first to make it find it made."""
+    folder = tmp_path / "proofs"
+    folder.mkdir(mode=0o755)
+    real_exists = pathlib.Path.exists
+    monkeypatch.setattr(pathlib.Path, "exists", lambda self: False if self == folder else real_exists(self))
+    assert proofs._write(folder, "entry", b"data") and (folder / "entry").read_bytes() == b"data"
 
 
 # --- a proof kept is a proof only where nobody else could have written it ----------------------------

@@ -216,7 +216,7 @@ def put(kind: str, key: tuple, value) -> None:
 def _write(folder: pathlib.Path, name: str, data: bytes) -> bool:
     try:
         if str(folder) != IMAGE_FOLDER and not folder.exists():
-            folder.mkdir(parents=True)
+            folder.mkdir(parents=True, exist_ok=True)  # ranks starting at once make it together
             os.chmod(folder, 0o755)  # whatever the umask: a folder others could write would not be trusted
         if not folder.is_dir() or not _trusted(folder):
             return False  # missing (the image's folder is made by its build only), or one another user could replace
