@@ -162,6 +162,11 @@ def test_only_the_judged_types_are_left(epilogue):
         elsewhere.peer = LogitsProcessorOutput(next_token_logits=graph[:4])
         out = through_worker(elsewhere, epilogue)
         assert storage(held(out.peer, "next_token_logits")) != storage(graph)
+        aliased = decode_result(4)  # the result's own logits output, held under another attribute too: copied
+        aliased.logits_output.next_token_logits = graph[:4]
+        aliased.peer = aliased.logits_output
+        out = through_worker(aliased, epilogue)
+        assert storage(held(out.logits_output, "next_token_logits")) != storage(graph)
 
 
 def test_the_watch_copies_first_and_a_late_read_turns_the_copy_back_on(epilogue, capsys):

@@ -541,11 +541,16 @@ struct Walk {
 };
 
 // fence_boundary._left: `tensor` is the result's logits_output.next_token_logits, the result and the
-// output of the types logits_readers showed nothing reads them through after the worker returns.
+// output of the types logits_readers showed nothing reads them through after the worker returns, the
+// output held by the result under that attribute alone (the walk knows the key it came by; this, only
+// the holders: held under another attribute too, it is read there unproven, and the walk copies it).
 bool Walk::left_in_place(PyObject* tensor) const {
   if (s.leave_result == nullptr || depth != 2) return false;
   if ((PyObject*)Py_TYPE(path[0]) != s.leave_result || (PyObject*)Py_TYPE(path[1]) != s.leave_logits) return false;
-  return reads_at(path[0], s.leave_holder, path[1]) && reads_at(path[1], s.leave_field, tensor);
+  if (!reads_at(path[0], s.leave_holder, path[1]) || !reads_at(path[1], s.leave_field, tensor)) return false;
+  long held = 0;
+  const bool read = each_value(s, path[0], [&](PyObject* v) { held += v == path[1]; return true; }, true);
+  return read && held == 1;
 }
 
 bool Walk::found_shared(PyObject* tensor, uintptr_t address) {
