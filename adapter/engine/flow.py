@@ -179,12 +179,13 @@ class Sources:
             return self.bound_at(what[0], what[1], hops + 1)
         return (module, what) if kind == "alias" else (module, None)
 
-    def expression(self, module: str, node: ast.expr, hops: int = 0) -> tuple:
-        """What a name or dotted expression in `module` names (as resolve)."""
+    def expression(self, module: str, node: ast.expr, hops: int = 0, name=None) -> tuple:
+        """What a name or dotted expression in `module` names (as resolve); `name` resolves its first
+        name where a function binds names of its own (an import inside it)."""
         if isinstance(node, ast.Name):
-            return self.resolve(module, node.id, hops)
+            return name(node.id) if name is not None else self.resolve(module, node.id, hops)
         if isinstance(node, ast.Attribute):
-            base = self.expression(module, node.value, hops)
+            base = self.expression(module, node.value, hops, name)
             if base[0] == "module":
                 return self.resolve(base[1], node.attr, hops + 1)
             if base[0] == "outside":
@@ -192,7 +193,7 @@ class Sources:
             if base[0] == "class":
                 return ("attribute", self.cls(base[1], base[2]), node.attr)
         if isinstance(node, ast.Call):  # torch.no_grad() as a decorator
-            return self.expression(module, node.func, hops)
+            return self.expression(module, node.func, hops, name)
         return ("unknown", f"{ast.unparse(node)} is computed")
 
     def cls(self, module: str, node: ast.ClassDef) -> "Class":
@@ -261,8 +262,8 @@ class Class:
         return ("none",)
 
     def field_bases(self) -> bool:
-        """Built from its annotated fields by keyword, running nothing of its own: a dataclass or a
-        msgspec struct / NamedTuple with no __init__, __new__ or __post_init__ anywhere in its MRO."""
+        """Built from its annotated fields by keyword: a dataclass or a msgspec struct / NamedTuple with
+        no __init__ or __new__ anywhere in its MRO (a __post_init__ is followed where it is built)."""
         for owner in self.mro():
             if not isinstance(owner, Class):
                 if owner not in FIELD_BASES:
@@ -368,7 +369,7 @@ class Analysis:
                         self.function(root, owner.module, node)
 
     def function(self, context, module: str, node) -> tuple:
-        key = (id(context), id(node))
+        key = (id(context), module, id(node))  # one parsed text may sit at two module paths (a moved copy)
         if key not in self.functions:
             self.functions[key] = (context, module, node)
             self.enqueue(key)
@@ -571,11 +572,11 @@ def _passes_through(wrapper, callees: set) -> bool:
     return bool(through)
 
 
-_NAMES: dict = {}  # id(function node) -> (its local names, its imports): read once per process
+_NAMES: dict = {}  # (module, id(function node)) -> (its local names, its imports): read once per process
 
 
 def _names(sources: Sources, module: str, function) -> tuple:
-    key = id(function)
+    key = (module, id(function))  # relative imports read by the module the text sits at
     if key not in _NAMES:
         shared = {name for n in ast.walk(function) if isinstance(n, (ast.Global, ast.Nonlocal)) for name in n.names}
         local = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -608,6 +609,7 @@ class _Function:
         if self.self_name is not None:  # the instance, or the class of a classmethod
             self.env[self.self_name] |= frozenset({("class" if "classmethod" in marks else "object", self.context)})
         self.identity = set()  # ids of nodes only tested for identity (`x is None`)
+        self.returned = E  # what its return statements (a closure's too) hand back
         # the names bound in the function, and those imported inside it -> what they name
         self.locals, self.imported = _names(self.an.sources, self.module, self.node)
         owner = self.context.name + "." if self.context is not None else ""
@@ -627,12 +629,8 @@ class _Function:
                 self.statement(statement)
             if dict(self.env) == before:
                 break
-        returned = E
-        for node in ast.walk(self.node):
-            if isinstance(node, ast.Return) and node.value is not None:
-                returned |= self.value(node.value)
-        if returned - self.an.returns[self.key]:
-            self.an.returns[self.key] |= returned
+        if self.returned - self.an.returns[self.key]:
+            self.an.returns[self.key] |= self.returned
             self.an.changed(("returns", self.key))
 
     # -------------------------------------------------------------- the tokens
@@ -714,6 +712,8 @@ class _Function:
             for case in node.cases:
                 for statement in case.body:
                     self.statement(statement)
+        elif isinstance(node, ast.Return):
+            self.returned |= self.value(node.value)
         elif isinstance(node, ast.Delete) or isinstance(node, ast.ClassDef):
             pass
         else:  # Expr, Return, Raise, Assert and the statements holding no expression
@@ -1137,14 +1137,7 @@ class _Function:
             return None, f"{ast.unparse(func.value)}.{func.attr} is not a method of {', '.join(map(str, built))}"
         if isinstance(func.value, ast.Name) and func.value.id in self.locals:
             return None, f"{func.value.id}'s class is not known"
-        if isinstance(func.value, ast.Name) and func.value.id in self.imported:
-            base = self.resolve_name(func.value.id)
-            if base[0] == "module":
-                return self.resolved(self.an.sources.resolve(base[1], func.attr))
-            if base[0] == "class":
-                return self.resolved(("attribute", self.an.sources.cls(base[1], base[2]), func.attr))
-            return self.resolved(("outside", f"{base[1]}.{func.attr}") if base[0] == "outside" else base)
-        return self.resolved(self.an.sources.expression(self.module, func))
+        return self.resolved(self.an.sources.expression(self.module, func, name=self.resolve_name))
 
     def after_owner(self, name: str) -> tuple:
         """`super().name`: found in the context's MRO after the class defining this function."""

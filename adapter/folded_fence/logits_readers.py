@@ -67,7 +67,8 @@ def verdict(engine) -> Verdict:
     found = proofs.get("logits-readers", key)
     if isinstance(found, tuple) and len(found) == len(Verdict._fields):
         return Verdict(*found)
-    by_reads = proofs.get("logits-readers-reads", key[::2])
+    reads_key = (FORMAT, proofs.pack_digest())  # every tree's proofs by what they read, newest first
+    by_reads = proofs.get("logits-readers-reads", reads_key)
     by_reads = by_reads if isinstance(by_reads, tuple) else ()
     for reads, kept in by_reads:
         if all((files.get(module) is None) if digest is None else
@@ -78,7 +79,7 @@ def verdict(engine) -> Verdict:
     found, read = _judge(files)
     reads = tuple(sorted((module, None if path is None else proofs.content_digest(path)) for module, path in read.items()))
     proofs.put("logits-readers", key, tuple(found))
-    proofs.put("logits-readers-reads", key[::2], ((reads, tuple(found)),) + by_reads[:KEPT_READS - 1])
+    proofs.put("logits-readers-reads", reads_key, ((reads, tuple(found)),) + by_reads[:KEPT_READS - 1])
     return found
 
 
