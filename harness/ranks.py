@@ -33,14 +33,14 @@ def run_ranks(world_size: int, target: str, *, release: str = "0.5.23", kwargs: 
               env: dict[str, str] | None = None, timeout: float = 240, with_stderr: bool = False,
               warm: bool = True) -> list:
     """Each rank's result; with `with_stderr`, (result, what the rank wrote to stderr) pairs.
-    `warm=False`: fresh interpreters, for an environment used once (a warm parent per
-    environment would cost its start and its memory for one command)."""
+    `warm=False`: interpreters that import their engine themselves, for an environment used once
+    (a tree's: a warm parent kept for it would cost its start and its memory for one command)."""
     port = _free_port()
     procs = []
     for rank in range(world_size):
         child_env = engine_env(release, **(env or {}))
         child_env.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append((zygote.popen if warm else subprocess.Popen)(
+        procs.append((zygote.popen if warm else zygote.popen_once)(
             [python(), "-m", "harness._rank_main", target, json.dumps(kwargs or {})],
             cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))

@@ -66,15 +66,23 @@ def _early(env: dict) -> dict:
 
 
 class _Zygote:
-    def __init__(self, interpreter: str, env: dict):
+    """A warm parent: the engine imported (an engine zygote), or with `listing`, the engine's
+    dependencies only (a dependencies-only parent). `parent`: a dependencies-only parent to start
+    from, where the engine is another tree's (a few seconds instead of ten)."""
+
+    def __init__(self, interpreter: str, env: dict, listing: Optional[str] = None, parent: "Optional[_Zygote]" = None):
         self.folder = tempfile.mkdtemp(prefix="zygote-")
         self.address = os.path.join(self.folder, "socket")
         self.log = os.path.join(self.folder, "log")
         server = str(ROOT / "harness" / "_zygote.py")  # by path: the interpreter may not see this checkout
+        args = [interpreter, server, self.address, *(["--dependencies", listing] if listing else [])]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([interpreter, server, self.address], cwd=ROOT, env=env,
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            if parent is not None:
+                self.proc = Child(args, cwd=ROOT, env=env, stdout=log, stderr=log, parent=parent)
+            else:
+                self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         self.ready = False
+        self.listing, self.top_level = listing, set()
         self.early = env
         self.defaults: dict = {}  # what importing the engine set in the zygote's os.environ (setdefault)
 
@@ -94,6 +102,9 @@ class _Zygote:
             if os.path.exists(self.address + ".ready"):
                 with open(self.address + ".ready") as ready:
                     self.defaults = json.load(ready)
+                if self.listing:
+                    with open(self.listing) as listing:
+                        self.top_level = {name.partition(".")[0] for name in listing.read().split()}
                 self.ready = True
             elif time.monotonic() > deadline:
                 raise RuntimeError("the zygote did not start within 300 s")
@@ -113,7 +124,9 @@ class _Zygote:
 
 
 _warm: "collections.OrderedDict[tuple, _Zygote]" = collections.OrderedDict()
-_lock = threading.Lock()
+_dependencies: dict = {}  # (interpreter, environment) -> its dependencies-only parent
+_lock = threading.RLock()
+HOME = str(ROOT)  # the PYTHONPATH of the installed engine's zygote, whose imports a dependencies-only parent makes
 
 
 def _without(env: dict, defaults: dict) -> dict:
@@ -128,16 +141,65 @@ def _zygote_for(interpreter: str, env: dict) -> _Zygote:
         if found is not None:
             _warm.move_to_end(found)
             return _warm[found]
+        parent = None if early.get("PYTHONPATH") == HOME else _dependencies_for(interpreter, early)
         while len(_warm) >= KEEP:
             _warm.popitem(last=False)[1].close()
-        _warm[key] = _Zygote(interpreter, early)
+        _warm[key] = _Zygote(interpreter, early, parent=parent)
         return _warm[key]
+
+
+def _beside_engine(early: dict) -> dict:
+    """What a dependencies-only parent must share with a child: all but the import path and the
+    engine's own variables (read when the child imports its engine)."""
+    return {k: v for k, v in early.items() if k != "PYTHONPATH" and not k.startswith("SGLANG_")}
+
+
+def _shadows(entry: str, names: set) -> bool:
+    """Whether the folder `entry` holds a module or package of one of the top-level `names`."""
+    try:
+        found = os.listdir(entry)
+    except OSError:
+        return False
+    return any(name.partition(".")[0] in names for name in found if not name.endswith((".dist-info", ".egg-info", ".pth")))
+
+
+def _dependencies_for(interpreter: str, early: dict) -> Optional[_Zygote]:
+    """The dependencies-only parent for children of `early`, where its path shadows none of the
+    modules that parent imported (another tree's engine, never another torch); None elsewhere."""
+    beside = _beside_engine(early)
+    key = (interpreter, tuple(sorted(beside.items())))
+    with _lock:
+        try:
+            if key not in _dependencies:
+                home = _zygote_for(interpreter, {**beside, "PYTHONPATH": HOME})
+                home.wait_ready()
+                _dependencies[key] = _Zygote(interpreter, beside, listing=home.address + ".modules")
+            parent = _dependencies[key]
+            parent.wait_ready()
+        except Unavailable:
+            return None
+    entries = [entry for entry in early.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return None if any(_shadows(entry, parent.top_level) for entry in entries) else parent
+
+
+def popen_once(args, **kwargs):
+    """subprocess.Popen(args, **kwargs) for a Python command whose environment is used once (a tree's):
+    a child of a dependencies-only parent where one serves, which imports the engine itself as a fresh
+    interpreter does, without a warm parent kept for that environment."""
+    python = _as_python(args)
+    if python is not None and not set(kwargs) - {"cwd", "env", "stdin", "stdout", "stderr", "text"}:
+        parent = _dependencies_for(python[0], _early(dict(os.environ if kwargs.get("env") is None else kwargs["env"])))
+        if parent is not None:
+            return Child(args, parent=parent, **kwargs)
+    return subprocess.Popen(args, **kwargs)
 
 
 @atexit.register
 def _close_all() -> None:
     while _warm:
         _warm.popitem()[1].close()
+    while _dependencies:
+        _dependencies.popitem()[1].close()
 
 
 def _as_python(args) -> Optional[list]:
@@ -166,13 +228,13 @@ def _as_python(args) -> Optional[list]:
 class Child:
     """The part of subprocess.Popen the tests use, for a child of a zygote."""
 
-    def __init__(self, args, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None, text=False):
+    def __init__(self, args, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None, text=False, parent=None):
         self.args = [str(a) for a in args]
         python = _as_python(args)
         env = dict(os.environ if env is None else env)
         self.text = text
         self.returncode = None
-        self._conn = _zygote_for(python[0], env).connect()
+        self._conn = (parent or _zygote_for(python[0], env)).connect()
         theirs = []
         stdin_fd = os.open(os.devnull, os.O_RDONLY)
         self._input_w = None
@@ -264,13 +326,13 @@ def popen(args, **kwargs):
     return subprocess.Popen(args, **kwargs)
 
 
-def run(args, *, capture_output=False, timeout=None, input=None, check=False, **kwargs):
-    """subprocess.run(args, ...), from a zygote where it can serve the command."""
+def run(args, *, capture_output=False, timeout=None, input=None, check=False, once=False, **kwargs):
+    """subprocess.run(args, ...), from a zygote where it can serve the command (`once`: popen_once's)."""
     if capture_output:
         kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if input is not None:
         kwargs["stdin"] = subprocess.PIPE
-    proc = popen(args, **kwargs)
+    proc = (popen_once if once else popen)(args, **kwargs)
     try:
         out, err = proc.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -470,3 +470,18 @@ def test_0_5_23_missing_consumer_module_refused():
     outcome = decide(ON, DoctoredEngine({gm.DFLASH_WORKER: None}))
     assert outcome.state == runtime.REFUSED
     assert gm.DFLASH_WORKER in outcome.reason and "missing" in outcome.reason
+
+
+def test_one_engine_object_keeps_each_layouts_verdict_apart():
+    """An engine object judges its code once per adapter and layout (doctor's column on every report
+    made with it): the verdict for one layout is never the answer for another, in either order."""
+    from sglang_dsv41_adapters.engine.installed import InstalledEngine
+    from sglang_dsv41_adapters.framework.topology import Topology
+
+    tp, dp_attention = Topology(4, 1), Topology(4, attn_dp_size=4)
+    alone = {layout: runtime.engine_check(gm.SURFACE, InstalledEngine(), layout) for layout in (tp, dp_attention)}
+    assert alone[tp][0] == runtime.SUPERSEDED and alone[dp_attention][0] == runtime.APPLIED, alone
+    for first, then in ((tp, dp_attention), (dp_attention, tp)):
+        engine = InstalledEngine()
+        assert [runtime.engine_check(gm.SURFACE, engine, layout) for layout in (first, then, first)] == \
+            [alone[first], alone[then], alone[first]]

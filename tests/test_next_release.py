@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
-from harness import next_release
+from harness import next_release, zygote
 from harness.first_use import OnFirstUse
 from harness.engines import ROOT, python
 from harness.nccl import spawn_ranks
@@ -192,8 +191,8 @@ def test_doctor_strict_passes_on_a_fixed_engine_with_no_flag(trees, name, tmp_pa
     """The Dockerfile's own doctor command with no flag required, on the tree imported as the image's
     Python imports its engine, and doctor --strict --engine on its sources."""
     built, record = build_doctor(trees[name], "", tmp_path)
-    engine = subprocess.run([python(), "entrypoint.py", "doctor", "--strict", "--engine", str(trees[name])], cwd=ROOT,
-                            env=tree_env(ROOT), capture_output=True, text=True, timeout=300)
+    engine = zygote.run([python(), "entrypoint.py", "doctor", "--strict", "--engine", str(trees[name])], cwd=ROOT,
+                        env=tree_env(ROOT), capture_output=True, text=True, timeout=300, once=True)
     for done in (built, engine):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert done.stdout.startswith("verdict: ok (exit 0)")

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
+import shlex
 
 import pytest
 
-from harness import next_release
+from harness import next_release, zygote
 from harness.engines import ROOT, python
 from harness.ranks import run_ranks
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
@@ -106,9 +106,19 @@ def build_doctor(tree, required: str, tmp_path):
     command = dockerfile_doctor().replace("/opt/sglang-dsv41", str(opt)).replace("sglang-adapters", "entrypoint.py", 1)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_SPEC"))}
     env.update(PYTHONPATH=f"{tree}{os.pathsep}{ROOT}", REQUIRED_FLAGS=required.replace("/opt/sglang-dsv41", str(opt)))
-    done = subprocess.run(["/bin/bash", "-c", f"{python()} {command}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=280)
+    done = zygote.run([python(), *shell_words(command, env)], cwd=ROOT, env=env, capture_output=True, text=True,
+                      timeout=280, once=True)
     return done, opt / "doctor.json"
+
+
+def shell_words(command: str, env: dict) -> list[str]:
+    """The arguments the image's shell passes for `command`: its words, each "${NAME}" the
+    variable's value (empty where unset), as one word. Only those forms are taken: anything else
+    a shell would expand (an unquoted variable, which it would split) fails here."""
+    assert command.count("$") == len(re.findall(r'"\$\{\w+\}"', command)), command
+    words = shlex.split(command)
+    assert not any(set(word) & set("`*?") or re.search(r"\$(?!\{\w+\})", word) for word in words), command
+    return [re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word) for word in words]
 
 
 def test_the_image_build_passes_on_each_refactor_with_no_flag_and_records_every_verdict(shape, tmp_path):

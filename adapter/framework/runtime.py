@@ -333,6 +333,15 @@ def engine_verdict(adapter: Surface, engine=None, topology: Optional[Topology] =
     engine switch set: a judgement of the engine alone (doctor's engine check column, the
     compatibility matrix), for `topology` (None: every topology)."""
     engine = engine or InstalledEngine()
+    # One engine object is one engine: its verdict alone is judged once per adapter and layout
+    # (doctor's column on every report a caller makes with it, the agreement of many flag sets).
+    judged = engine.__dict__.setdefault("_engine_verdicts", {})
+    if (adapter.name, topology) not in judged:
+        judged[adapter.name, topology] = _engine_verdict(adapter, engine, topology)
+    return judged[adapter.name, topology]
+
+
+def _engine_verdict(adapter: Surface, engine, topology: Optional[Topology]) -> tuple[str, str, str]:
     setting = adapter.parse({adapter.flag: adapter.check_value})
     # An adapter that works on another's changes (check_with) is judged with those on.
     settings = {name: load(name).parse({load(name).flag: value}) for name, value in adapter.check_with.items()}
