@@ -237,10 +237,11 @@ class Child:
         self._conn = (parent or _zygote_for(python[0], env)).connect()
         theirs = []
         stdin_fd = os.open(os.devnull, os.O_RDONLY)
-        self._input_w = None
+        self.stdin = None
         if stdin == subprocess.PIPE:
             os.close(stdin_fd)
-            stdin_fd, self._input_w = os.pipe()
+            stdin_fd, write = os.pipe()
+            self.stdin = os.fdopen(write, "w" if text else "wb")
         theirs.append(stdin_fd)
         self.stdout = self.stderr = None
         for name, wanted in (("stdout", stdout), ("stderr", stderr)):
@@ -262,8 +263,8 @@ class Child:
         self.pid = int(self._reply.readline())
         self._outputs: dict = {}
         self._readers = [threading.Thread(target=self._drain, args=(name,), daemon=True) for name in ("stdout", "stderr")]
-        for reader in self._readers:
-            reader.start()
+        if self.stdin is None:  # one the caller talks to (its stdin a pipe) is read by the caller, as Popen's is
+            self._read()
         self._waiter = threading.Thread(target=self._await_status, daemon=True)
         self._waiter.start()
 
@@ -285,12 +286,18 @@ class Child:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
+    def _read(self) -> None:
+        for reader in self._readers:
+            if reader.ident is None:
+                reader.start()
+
     def communicate(self, input=None, timeout=None):
-        if self._input_w is not None:
-            data = input.encode() if isinstance(input, str) else (input or b"")
-            with os.fdopen(self._input_w, "wb") as pipe:
-                pipe.write(data)
-            self._input_w = None
+        self._read()
+        if self.stdin is not None:
+            with self.stdin:
+                if input:
+                    self.stdin.write(input)
+            self.stdin = None
         deadline = None if timeout is None else time.monotonic() + timeout
         for reader in self._readers:
             reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))

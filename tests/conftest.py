@@ -59,6 +59,18 @@ def _proof_cache(tmp_path_factory):
         os.environ[proofs.ENV] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tree_children_start_warm():
+    """The interpreter that runs a tree's SpecTpSync (spectpsync.behaviour) starts from a parent that has
+    imported torch (harness.zygote.popen_once): the same child, without the seconds of its imports."""
+    from harness import zygote
+    from sglang_dsv41_adapters.spectpsync import behaviour
+
+    behaviour.popen = zygote.popen_once
+    yield
+    behaviour.popen = subprocess.Popen
+
+
 @pytest.fixture(autouse=True)
 def _launcher_label():
     """A test that labels this process a rank leaves it the launcher for the next one."""

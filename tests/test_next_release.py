@@ -18,7 +18,7 @@ import pytest
 
 from harness import next_release, zygote
 from harness.first_use import OnFirstUse
-from harness.engines import ROOT, python
+from harness.engines import ROOT, SETTINGS, python
 from harness.nccl import spawn_ranks
 from harness.ranks import run_ranks
 from sglang_dsv41_adapters import cli
@@ -59,7 +59,7 @@ def trees(tmp_path_factory):
 
 
 def tree_env(tree) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_SPEC"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_SPEC")) or k in SETTINGS}
     env["PYTHONPATH"] = f"{tree}{os.pathsep}{ROOT}"
     return env
 

@@ -19,7 +19,7 @@ import shlex
 import pytest
 
 from harness import next_release, zygote
-from harness.engines import ROOT, python
+from harness.engines import ROOT, SETTINGS, python
 from harness.ranks import run_ranks
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters.framework import runtime
@@ -104,7 +104,7 @@ def build_doctor(tree, required: str, tmp_path):
     opt.mkdir(exist_ok=True)
     (opt / "adapters.env").write_text((ROOT / "recipes/dsv41-flash-tp4-dspark/adapters.env").read_text())
     command = dockerfile_doctor().replace("/opt/sglang-dsv41", str(opt)).replace("sglang-adapters", "entrypoint.py", 1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_SPEC"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_SPEC")) or k in SETTINGS}
     env.update(PYTHONPATH=f"{tree}{os.pathsep}{ROOT}", REQUIRED_FLAGS=required.replace("/opt/sglang-dsv41", str(opt)))
     done = zygote.run([python(), *shell_words(command, env)], cwd=ROOT, env=env, capture_output=True, text=True,
                       timeout=280, once=True)

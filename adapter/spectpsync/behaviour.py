@@ -270,6 +270,10 @@ def _warmups(parse, sites, name: str) -> list:
 # ---------------------------------------------------------------- a tree, in a child interpreter
 
 
+# How the child interpreter starts; the test suite starts it from a parent that has imported torch.
+popen = subprocess.Popen
+
+
 class _Child:
     """One interpreter with a source tree first on its path, answering observations."""
 
@@ -278,8 +282,8 @@ class _Child:
         env["PYTHONPATH"] = tree
         code = (f"import runpy, sys; sys.argv = ['behaviour', {tree!r}]; sys.path.insert(0, {tree!r}); "
                 f"runpy.run_path({os.path.abspath(__file__)!r}, run_name='__child__')")
-        self.process = subprocess.Popen([sys.executable, "-c", code], cwd=tree, env=env, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.process = popen([sys.executable, "-c", code], cwd=tree, env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lock = threading.Lock()
 
     def ask(self, values) -> dict:
