@@ -21,7 +21,7 @@ import shutil
 
 import pytest
 
-from harness import write_pad, zygote
+from harness import next_release, write_pad, zygote
 from harness.engines import ROOT, engine_env, python, release_sources, release_wheel
 from harness.ranks import run_ranks
 from sglang_dsv41_adapters import known_bad_config
@@ -194,7 +194,7 @@ def imported(tmp_path_factory):
     """The deciders on a copy of the installed 0.5.23 without the pad (imported first on the
     path) and on the installed 0.5.23 itself."""
     base = tmp_path_factory.mktemp("imported")
-    tree = write_pad.removed(SITE_PACKAGES, base / "0.5.23-pad")
+    tree = next_release.proven_here(write_pad.removed(SITE_PACKAGES, base / "0.5.23-pad"))
     out = {}
     for name, root, env in (("without pad", tree, {"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}),
                             ("0.5.23", SITE_PACKAGES, {})):

@@ -78,9 +78,10 @@ def judged(trees):
     """{tree: {"import": [...], "source": [...]}}, one entry per CASES item."""
     def judge(name):
         tree = trees[name]
+        source = source_decisions(tree)  # first: what it proves here, the child finds in the run's proof cache
         imported = run_ranks(1, "tests.next_release_cases:decisions", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"},
                              warm=False, kwargs={"cases": CASES}, timeout=600)[0]
-        return {"import": imported, "source": source_decisions(tree)}
+        return {"import": imported, "source": source}
     return OnFirstUse(judge)
 
 
@@ -204,7 +205,7 @@ def test_doctor_strict_passes_on_a_fixed_engine_with_no_flag(trees, name, tmp_pa
 def by_layout(trees, tmp_path_factory):
     model = str(tmp_path_factory.mktemp("model"))
     return OnFirstUse(lambda name: run_ranks(
-        1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{trees[name]}{os.pathsep}{ROOT}"}, warm=False,
+        1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{next_release.proven_here(trees[name])}{os.pathsep}{ROOT}"}, warm=False,
         kwargs={"model_dir": model, "source_tree": str(trees[name])}, timeout=900)[0])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -54,8 +55,11 @@ def scoped_nodes(tree, enter=None):
 def parse(source) -> ast.Module:
     """A source text (str, or a file's bytes) parsed once per process, whichever check reads
     it: a decision reads the same engine modules from several adapters, and nothing here
-    changes a tree. Raises what ast.parse raises (not cached)."""
-    return ast.parse(source)
+    changes a tree. Raises what ast.parse raises (not cached). The engine's own invalid escapes
+    are its matter, not a warning of the pack's (reading them runs nothing)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+        return ast.parse(source)
 
 
 @functools.lru_cache(maxsize=64)
