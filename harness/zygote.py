@@ -15,6 +15,11 @@ may differ only if it is read when the command runs (LATE), so a different PYTHO
 SGLANG_ variable or an injected Kubernetes variable gets a zygote of its own. Anything the
 zygote cannot serve (another interpreter, interpreter options, DSV41_ZYGOTE=0) runs as a
 plain subprocess.
+
+Another tree's engine (first on PYTHONPATH) cannot come from a parent that imported the installed
+one: a dependencies-only parent, which imported what the installed engine's zygote imported but
+the engine, forks that tree's zygote, and the one-off children of `popen_once`; each imports its own
+engine (about 2 s instead of 8 to 12). A path that would shadow one of its modules gets a fresh start.
 """
 
 from __future__ import annotations
