@@ -191,8 +191,8 @@ def popen_once(args, **kwargs):
     """subprocess.Popen(args, **kwargs) for a Python command whose environment is used once (a tree's):
     a child of a dependencies-only parent where one serves, which imports the engine itself as a fresh
     interpreter does, without a warm parent kept for that environment."""
-    python = _as_python(args)
-    if python is not None and not set(kwargs) - {"cwd", "env", "stdin", "stdout", "stderr", "text"}:
+    python = _servable(args, kwargs)
+    if python is not None:
         parent = _dependencies_for(python[0], _early(dict(os.environ if kwargs.get("env") is None else kwargs["env"])))
         if parent is not None:
             return Child(args, parent=parent, **kwargs)
@@ -327,10 +327,15 @@ class Child:
         os.kill(self.pid, sig)
 
 
+def _servable(args, kwargs) -> Optional[list]:
+    """_as_python(args) where a warm parent's child can take the call's keywords, else None."""
+    python = _as_python(args)
+    return python if python is not None and not set(kwargs) - {"cwd", "env", "stdin", "stdout", "stderr", "text"} else None
+
+
 def popen(args, **kwargs):
     """subprocess.Popen(args, **kwargs), from a zygote where it can serve the command."""
-    known = {"cwd", "env", "stdin", "stdout", "stderr", "text"}
-    if _as_python(args) is not None and not set(kwargs) - known:
+    if _servable(args, kwargs) is not None:
         try:
             return Child(args, **kwargs)
         except Unavailable:

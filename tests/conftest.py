@@ -66,9 +66,9 @@ def _tree_children_start_warm():
     from harness import zygote
     from sglang_dsv41_adapters.spectpsync import behaviour
 
-    behaviour.popen = zygote.popen_once
+    before, behaviour.popen = behaviour.popen, zygote.popen_once
     yield
-    behaviour.popen = subprocess.Popen
+    behaviour.popen = before
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ import pytest
 
 from harness import next_release, zygote
 from harness.first_use import OnFirstUse
-from harness.engines import ROOT, SETTINGS, python
+from harness.engines import ROOT, python
 from harness.nccl import spawn_ranks
 from harness.ranks import run_ranks
 from sglang_dsv41_adapters import cli
@@ -29,7 +29,7 @@ from sglang_dsv41_adapters.framework.topology import Topology
 from sglang_dsv41_adapters.spectpsync import engine_class, selected_sites
 from tests.agreement_cases import combos
 from tests.next_release_cases import row as as_row
-from tests.test_refactors import build_doctor
+from tests.test_refactors import build_doctor, tree_env
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -56,12 +56,6 @@ def trees(tmp_path_factory):
     base = tmp_path_factory.mktemp("next")
     yield OnFirstUse(lambda name: next_release.tree(base / name, *TREES[name]))
     shutil.rmtree(base, ignore_errors=True)
-
-
-def tree_env(tree) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_SPEC")) or k in SETTINGS}
-    env["PYTHONPATH"] = f"{tree}{os.pathsep}{ROOT}"
-    return env
 
 
 def source_decisions(tree) -> list:
@@ -204,9 +198,12 @@ def test_doctor_strict_passes_on_a_fixed_engine_with_no_flag(trees, name, tmp_pa
 @pytest.fixture(scope="module")
 def by_layout(trees, tmp_path_factory):
     model = str(tmp_path_factory.mktemp("model"))
-    return OnFirstUse(lambda name: run_ranks(
-        1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{next_release.proven_here(trees[name])}{os.pathsep}{ROOT}"}, warm=False,
-        kwargs={"model_dir": model, "source_tree": str(trees[name])}, timeout=900)[0])
+
+    def table(name):
+        tree = next_release.proven_here(trees[name])
+        return run_ranks(1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
+                         kwargs={"model_dir": model, "source_tree": str(tree)}, timeout=900)[0]
+    return OnFirstUse(table)
 
 
 @pytest.mark.parametrize("name", ["all", "all-refactor"])

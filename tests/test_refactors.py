@@ -96,6 +96,14 @@ def dockerfile_doctor() -> str:
     return step[step.index("sglang-adapters doctor"):]
 
 
+def tree_env(tree) -> dict:
+    """This process's environment for a doctor run on `tree` (first on the path): no flag or engine
+    switch of the test's, the pack's settings kept (the run's proof cache)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_SPEC")) or k in SETTINGS}
+    env["PYTHONPATH"] = f"{tree}{os.pathsep}{ROOT}"
+    return env
+
+
 def build_doctor(tree, required: str, tmp_path):
     """The Dockerfile's doctor command in the engine of `tree` (first on the path, as the
     image's Python imports its engine), REQUIRED_FLAGS=`required`, /opt/sglang-dsv41 a
@@ -104,8 +112,7 @@ def build_doctor(tree, required: str, tmp_path):
     opt.mkdir(exist_ok=True)
     (opt / "adapters.env").write_text((ROOT / "recipes/dsv41-flash-tp4-dspark/adapters.env").read_text())
     command = dockerfile_doctor().replace("/opt/sglang-dsv41", str(opt)).replace("sglang-adapters", "entrypoint.py", 1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV41_", "SGLANG_SPEC")) or k in SETTINGS}
-    env.update(PYTHONPATH=f"{tree}{os.pathsep}{ROOT}", REQUIRED_FLAGS=required.replace("/opt/sglang-dsv41", str(opt)))
+    env = {**tree_env(tree), "REQUIRED_FLAGS": required.replace("/opt/sglang-dsv41", str(opt))}
     done = zygote.run([python(), *shell_words(command, env)], cwd=ROOT, env=env, capture_output=True, text=True,
                       timeout=280, once=True)
     return done, opt / "doctor.json"
@@ -117,7 +124,7 @@ def shell_words(command: str, env: dict) -> list[str]:
     a shell would expand (an unquoted variable, which it would split) fails here."""
     assert command.count("$") == len(re.findall(r'"\$\{\w+\}"', command)), command
     words = shlex.split(command)
-    assert not any(set(word) & set("`*?") or re.search(r"\$(?!\{\w+\})", word) for word in words), command
+    assert not any(set(word) & set("`*?") for word in words), command
     return [re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word) for word in words]
 
 
