@@ -360,13 +360,31 @@ class Analysis:
         self.builders = collections.defaultdict(list)       # class -> [(the class building it, the call, module)]
         self.kept = collections.defaultdict(frozenset)      # class -> what any of its attributes keeps
         self.passing = {}                                   # id(a decorator's wrapper) -> the names it calls through
-        self._components, self._assignments = {}, {}
+        self._components, self._assignments, self._decorations = {}, {}, {}
         self._pending, self._queued = collections.deque(), set()
         for root in roots:
             for owner in root.mro():
                 if isinstance(owner, Class):
                     for node in owner.methods.values():
                         self.function(root, owner.module, node)
+
+    def decorations(self, module: str, function) -> tuple:
+        """([(module, wrapper, names it calls through)], [decorators not shown to pass the
+        arguments through]) for a def of `module`: what a call of it runs first."""
+        key = (module, id(function))
+        if key not in self._decorations:
+            wrappers, unplain = [], []
+            for decorator in function.decorator_list:
+                what = self.sources.expression(module, decorator)
+                if (what[1] if what[0] == "outside" else ast.unparse(decorator)) in PLAIN_DECORATORS:
+                    continue
+                found = wrappers_of(self.sources, module, decorator)
+                if found is None:
+                    unplain.append(ast.unparse(decorator))
+                else:
+                    wrappers += found
+            self._decorations[key] = (wrappers, unplain)
+        return self._decorations[key]
 
     def function(self, context, module: str, node) -> tuple:
         key = (id(context), module, id(node))  # one parsed text may sit at two module paths (a moved copy)
@@ -385,10 +403,11 @@ class Analysis:
             self.enqueue(key)
 
     def run(self) -> "Analysis":
-        while self._pending:
-            key = self._pending.popleft()
-            self._queued.discard(key)
-            _Function(self, key).run()
+        with syntax.collector_paused():
+            while self._pending:
+                key = self._pending.popleft()
+                self._queued.discard(key)
+                _Function(self, key).run()
         return self
 
     def assignments(self, context: Class) -> dict:
@@ -400,12 +419,8 @@ class Analysis:
                 if not isinstance(owner, Class):
                     continue
                 for method in owner.methods.values():
-                    for node in ast.walk(method):
-                        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-                            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
-                                        and target.value.id == "self":
-                                    found[target.attr].append((owner, method, node.value))
+                    for attribute, assigned in _self_stores(method):
+                        found[attribute].append((owner, method, assigned))
             self._assignments[context] = found
         return self._assignments[context]
 
@@ -554,15 +569,15 @@ def _passes_through(wrapper, callees: set) -> bool:
     named = [p.arg for p in a.posonlyargs + a.args]
     expected = named + [f"*{a.vararg.arg}", f"**{a.kwarg.arg}"]
     through = set()
-    for call in ast.walk(wrapper):
+    for call in _walk(wrapper):
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in callees:
             given = [ast.unparse(x) for x in call.args] + [f"**{ast.unparse(k.value)}" if k.arg is None else "?"
                                                           for k in call.keywords]
             if given != expected:
                 return False
-            through.update(id(n) for n in ast.walk(call) if isinstance(n, ast.Name))
-    parents = {id(child): parent for parent in ast.walk(wrapper) for child in ast.iter_child_nodes(parent)}
-    for node in ast.walk(wrapper):
+            through.update(id(n) for n in _walk(call) if isinstance(n, ast.Name))
+    parents = {id(child): parent for parent in _walk(wrapper) for child in ast.iter_child_nodes(parent)}
+    for node in _walk(wrapper):
         if isinstance(node, ast.Name) and node.id in (a.vararg.arg, a.kwarg.arg) and id(node) not in through:
             return False
         if isinstance(node, ast.Name) and node.id in named and id(node) not in through:
@@ -572,23 +587,81 @@ def _passes_through(wrapper, callees: set) -> bool:
     return bool(through)
 
 
+_WALKED: dict = {}  # id(node) -> (node, every node under it): a parsed tree is never changed
+
+
+def _walk(node) -> tuple:
+    """ast.walk's nodes in ast.walk's order, gathered once per node per process (the following
+    reads the same functions for every class and question)."""
+    found = _WALKED.get(id(node))
+    if found is None:
+        nodes, at = [node], 0
+        while at < len(nodes):
+            current = nodes[at]
+            at += 1
+            for name in current._fields:
+                child = getattr(current, name, None)
+                if isinstance(child, ast.AST):
+                    nodes.append(child)
+                elif isinstance(child, list):
+                    nodes.extend(c for c in child if isinstance(c, ast.AST))
+        found = _WALKED[id(node)] = (node, tuple(nodes))  # the node kept: its id stays its own
+    return found[1]
+
+
 _NAMES: dict = {}  # (module, id(function node)) -> (its local names, its imports): read once per process
 
 
 def _names(sources: Sources, module: str, function) -> tuple:
     key = (module, id(function))  # relative imports read by the module the text sits at
     if key not in _NAMES:
-        shared = {name for n in ast.walk(function) if isinstance(n, (ast.Global, ast.Nonlocal)) for name in n.names}
-        local = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        local = (local | set(_parameters(function))) - shared
-        imported = {}
-        for node in ast.walk(function):
-            if isinstance(node, ast.ImportFrom):
+        shared, local, imported = set(), set(_parameters(function)), {}
+        for node in _walk(function):
+            if isinstance(node, ast.Name):
+                if isinstance(node.ctx, ast.Store):
+                    local.add(node.id)
+            elif isinstance(node, (ast.Global, ast.Nonlocal)):
+                shared.update(node.names)
+            elif isinstance(node, ast.ImportFrom):
                 source = imported_from(node, sources.package(module))
                 for alias in node.names:
                     imported[alias.asname or alias.name] = (source, alias.name)
-        _NAMES[key] = (frozenset(local - set(imported)), imported, function)  # the node kept: its id stays its own
+        _NAMES[key] = (frozenset(local - shared - set(imported)), imported, function)
     return _NAMES[key][:2]
+
+
+_MARKS: dict = {}  # id(function node) -> (the node, its decorators as written)
+
+
+def _marks(function) -> frozenset:
+    found = _MARKS.get(id(function))
+    if found is None:
+        found = _MARKS[id(function)] = (function, frozenset(ast.unparse(d) for d in function.decorator_list))
+    return found[1]
+
+
+_SELF_STORES: dict = {}  # id(method node) -> (the node, [(attribute, assigned value)])
+
+
+def _self_stores(method) -> list:
+    """Every `self.<attribute> = value` in `method`, in ast.walk's order."""
+    found = _SELF_STORES.get(id(method))
+    if found is None:
+        stores = []
+        for node in _walk(method):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                            and target.value.id == "self":
+                        stores.append((target.attr, node.value))
+        found = _SELF_STORES[id(method)] = (method, stores)
+    return found[1]
+
+
+def _is_super(node) -> bool:
+    """`super()`, as written."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super" \
+        and not node.args and not node.keywords
 
 
 def _parameters(node) -> list:
@@ -604,7 +677,7 @@ class _Function:
         self.context, self.module, self.node = analysis.functions[key]
         self.env = collections.defaultdict(frozenset, analysis.params[key])
         positional = [p.arg for p in self.node.args.posonlyargs + self.node.args.args]
-        marks = {ast.unparse(d) for d in self.node.decorator_list}
+        marks = _marks(self.node)
         self.self_name = positional[0] if self.context is not None and positional and "staticmethod" not in marks else None
         if self.self_name is not None:  # the instance, or the class of a classmethod
             self.env[self.self_name] |= frozenset({("class" if "classmethod" in marks else "object", self.context)})
@@ -1029,21 +1102,13 @@ class _Function:
         """A call of `target` (class context, module, def) with these tokens: its parameters take
         them, and what it returns comes back."""
         context, module, function = target
-        wrappers, unplain = [], []
-        for decorator in function.decorator_list:
-            if self.decorator(module, decorator) in PLAIN_DECORATORS:
-                continue
-            found = wrappers_of(self.an.sources, module, decorator)
-            if found is None:
-                unplain.append(ast.unparse(decorator))
-            else:
-                wrappers += found
+        wrappers, unplain = self.an.decorations(module, function)
         given = E.union(*positional, *keywords.values())
         if unplain and self.carries(given):
             self.gap(node, f"passes {self.said(given)} to {function.name}, decorated by {unplain[0]}, which is not "
                            f"shown to pass its arguments through")
         names = [p.arg for p in function.args.posonlyargs + function.args.args]
-        static = any(ast.unparse(d) == "staticmethod" for d in function.decorator_list)
+        static = "staticmethod" in _marks(function)
         if context is not None and not static and names:
             names = names[1:]
         taken = {}
@@ -1078,10 +1143,6 @@ class _Function:
         self.uses(("returns", key))
         return self.an.returns[key]
 
-    def decorator(self, module: str, node) -> str:
-        what = self.an.sources.expression(module, node)
-        return what[1] if what[0] == "outside" else ast.unparse(node)
-
     def callees(self, func) -> tuple:
         """([(kind, what)], "") for what a call of `func` runs, or (None, why it cannot be told):
         kinds "function" (context, module, def), "class", "builtin", "items" (a container's
@@ -1093,7 +1154,7 @@ class _Function:
             return self.resolved(self.resolve_name(func.id))
         if not isinstance(func, ast.Attribute):
             return None, "the callee is computed"
-        if isinstance(func.value, ast.Call) and ast.unparse(func.value) == "super()" and self.context is not None:
+        if _is_super(func.value) and self.context is not None:
             return self.after_owner(func.attr)
         receiver = self.resolved_globals(self.value(func.value))
         if receiver:

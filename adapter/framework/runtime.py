@@ -13,10 +13,8 @@ the order is fixed by those hand-overs, not by the order of ADAPTERS.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import enum
-import gc
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -25,6 +23,7 @@ from typing import Optional
 from .. import ADAPTERS, load
 from ..engine.contract import Refused, Undecided
 from ..engine import proofs, settings
+from ..engine.syntax import collector_paused
 from ..engine.installed import EngineImportError, InstalledEngine
 from ..engine.source_engine import UNRELEASED, released
 from . import audit, delivery, log, metrics, oneline, patching
@@ -415,21 +414,6 @@ def apply_once(environ: Mapping[str, str] = os.environ, topology: Optional[Topol
             emit(str(_applied.error()), form, fatal=True)
         metrics.outcomes(_applied, environ)
     return _applied
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic collector off while deciding: a rank that imported the engine holds
-    about 700,000 objects, and the objects a check builds (parsed sources) would set off a
-    full collection of them, about a second on a busy two-core host; the few cycles a
-    decision leaves are collected after it."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def reset() -> None:
