@@ -57,7 +57,7 @@ def relabelled(tree: pathlib.Path, into: pathlib.Path, version: str = PREVIEW) -
     """A copy of the engine whose sglang/ sits in `tree`, labelled `version` as a preview
     build is: its generated sglang/_version.py says so and no dist-info sits beside it.
     The code is the release's, byte for byte. Returns `into`, which then holds sglang/."""
-    shutil.copytree(tree / "sglang", into / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(tree / "sglang", into / "sglang")  # times kept: the bytecode cache stays valid
     (into / "sglang" / "_version.py").write_text(
         f"__version__ = version = {version!r}\n__version_tuple__ = version_tuple = {tuple(version.split('.'))!r}\n"
         "__commit_id__ = commit_id = None\n")

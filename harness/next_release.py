@@ -17,7 +17,11 @@ of the engine's own given a number the pack uses. None of them changes what runs
 one that is there to be refused (`subclass-drops-broadcast`).
 
 A tree is the installed release's files hard-linked (a changed file is written anew, so
-the installed release is never touched), importable with the tree first on the path.
+the installed release is never touched), importable with the tree first on the path. Its
+bytecode cache comes along: Python checks each cached file against its source's time and
+size, so a file written anew is compiled again (and its cache written as a file of its own,
+Python replaces it), and the rest import as the installed release does, about 4 s less for
+a tree's first interpreter.
 """
 
 from __future__ import annotations
@@ -280,8 +284,7 @@ def tree(into, fixes, version: str = "0.5.24") -> pathlib.Path:
     (names of FIXES) applied and labelled `version`, as a preview build is: its generated
     sglang/_version.py says so and no dist-info sits beside it."""
     into = pathlib.Path(into)
-    shutil.copytree(SITE_PACKAGES / "sglang", into / "sglang", copy_function=os.link,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(SITE_PACKAGES / "sglang", into / "sglang", copy_function=os.link)
     version_file = into / "sglang" / "_version.py"
     version_file.unlink(missing_ok=True)
     version_file.write_text(f"__version__ = version = {version!r}\n"

@@ -66,8 +66,7 @@ def copy_tree(tree: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
     """`tree`'s sglang/ and dist-info, hard-linked into `into` (an edit writes a file of its own)."""
     for entry in tree.iterdir():
         if entry.name == "sglang" or (entry.name.startswith("sglang-") and entry.name.endswith(".dist-info")):
-            shutil.copytree(entry, into / entry.name, copy_function=os.link,
-                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(entry, into / entry.name, copy_function=os.link)  # bytecode cache too: next_release.tree
     return into
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import subprocess
 import sys
@@ -69,6 +70,17 @@ def _tree_children_start_warm():
     before, behaviour.popen = behaviour.popen, zygote.popen_once
     yield
     behaviour.popen = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _imports_kept_out_of_collections():
+    """What collecting the tests imported (torch and the engine: about 700,000 objects) stays for the
+    whole run, as in harness/_zygote.py: collected once, then frozen, so that the collections the
+    tests set off walk only what the tests make."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)
