@@ -76,10 +76,16 @@ def _tree_children_start_warm():
 def _imports_kept_out_of_collections():
     """What collecting the tests imported (torch and the engine: about 700,000 objects) stays for the
     whole run, as in harness/_zygote.py: collected once, then frozen, so that the collections the
-    tests set off walk only what the tests make."""
+    tests set off walk only what the tests make; and those come as seldom as in the zygote's
+    children (harness._zygote.COLLECTION)."""
+    from harness._zygote import COLLECTION
+
+    before = gc.get_threshold()
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*COLLECTION)
     yield
+    gc.set_threshold(*before)
     gc.unfreeze()
 
 
