@@ -587,26 +587,19 @@ def _passes_through(wrapper, callees: set) -> bool:
     return bool(through)
 
 
-_WALKED: dict = {}  # id(node) -> (node, every node under it): a parsed tree is never changed
-
-
-def _walk(node) -> tuple:
-    """ast.walk's nodes in ast.walk's order, gathered once per node per process (the following
-    reads the same functions for every class and question)."""
-    found = _WALKED.get(id(node))
-    if found is None:
-        nodes, at = [node], 0
-        while at < len(nodes):
-            current = nodes[at]
-            at += 1
-            for name in current._fields:
-                child = getattr(current, name, None)
-                if isinstance(child, ast.AST):
-                    nodes.append(child)
-                elif isinstance(child, list):
-                    nodes.extend(c for c in child if isinstance(c, ast.AST))
-        found = _WALKED[id(node)] = (node, tuple(nodes))  # the node kept: its id stays its own
-    return found[1]
+def _walk(node) -> list:
+    """ast.walk's nodes, in its order, as a list, without its nested generators."""
+    nodes, at = [node], 0
+    while at < len(nodes):
+        current = nodes[at]
+        at += 1
+        for name in current._fields:
+            child = getattr(current, name, None)
+            if isinstance(child, ast.AST):
+                nodes.append(child)
+            elif isinstance(child, list):
+                nodes.extend(c for c in child if isinstance(c, ast.AST))
+    return nodes
 
 
 _NAMES: dict = {}  # (module, id(function node)) -> (its local names, its imports): read once per process
@@ -626,7 +619,7 @@ def _names(sources: Sources, module: str, function) -> tuple:
                 source = imported_from(node, sources.package(module))
                 for alias in node.names:
                     imported[alias.asname or alias.name] = (source, alias.name)
-        _NAMES[key] = (frozenset(local - shared - set(imported)), imported, function)
+        _NAMES[key] = (frozenset(local - shared - set(imported)), imported, function)  # the node kept: its id stays its own
     return _NAMES[key][:2]
 
 
