@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import builtins
 import collections
+import functools
 import hashlib
 from typing import Callable, NamedTuple, Optional
 
@@ -623,32 +624,23 @@ def _names(sources: Sources, module: str, function) -> tuple:
     return _NAMES[key][:2]
 
 
-_MARKS: dict = {}  # id(function node) -> (the node, its decorators as written)
-
-
+@functools.cache  # a syntax node is hashed by identity: once per def per process, the node kept
 def _marks(function) -> frozenset:
-    found = _MARKS.get(id(function))
-    if found is None:
-        found = _MARKS[id(function)] = (function, frozenset(ast.unparse(d) for d in function.decorator_list))
-    return found[1]
+    """A def's decorators as written."""
+    return frozenset(ast.unparse(d) for d in function.decorator_list)
 
 
-_SELF_STORES: dict = {}  # id(method node) -> (the node, [(attribute, assigned value)])
-
-
-def _self_stores(method) -> list:
-    """Every `self.<attribute> = value` in `method`, in ast.walk's order."""
-    found = _SELF_STORES.get(id(method))
-    if found is None:
-        stores = []
-        for node in _walk(method):
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
-                            and target.value.id == "self":
-                        stores.append((target.attr, node.value))
-        found = _SELF_STORES[id(method)] = (method, stores)
-    return found[1]
+@functools.cache  # as _marks
+def _self_stores(method) -> tuple:
+    """Every `self.<attribute> = value` in `method`, in ast.walk's order, as (attribute, value)."""
+    stores = []
+    for node in _walk(method):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                        and target.value.id == "self":
+                    stores.append((target.attr, node.value))
+    return tuple(stores)
 
 
 def _is_super(node) -> bool:
