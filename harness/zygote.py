@@ -48,13 +48,15 @@ from .engines import ROOT
 # DSV41_ADAPTERS_SNAPSHOT_KERNEL (and its old name SGLANG_ADAPTERS_SNAPSHOT_KERNEL): the pack reads it
 # when the fence first needs its copy; DSV41_ADAPTERS_PROOF_CACHE (SGLANG_ADAPTERS_PROOF_CACHE), whenever
 # it looks up or keeps a proof.
+# REQUIRED_FLAGS: the image build's argument, which its doctor command reads through the shell.
 # SGLANG_PLUGINS and SGLANG_SPEC_TP_SYNC: the engine reads them with envs.X.get() when it loads
 # its plugins (sglang.srt.plugins.load_plugins) and builds a SpecTpSync (its __init__), on every
 # release that has them; the preload never does either (it would import the pack, refused there).
 LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "PYTEST_CURRENT_TEST",
         "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
         "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "COLUMNS", "LINES",
-        "SGLANG_ADAPTERS_SNAPSHOT_KERNEL", "SGLANG_ADAPTERS_PROOF_CACHE", "SGLANG_PLUGINS", "SGLANG_SPEC_TP_SYNC")
+        "SGLANG_ADAPTERS_SNAPSHOT_KERNEL", "SGLANG_ADAPTERS_PROOF_CACHE", "SGLANG_PLUGINS", "SGLANG_SPEC_TP_SYNC",
+        "REQUIRED_FLAGS")
 # The pack's flags, and the near-misses of them it reports (DSV4_..., dsv41_...): read by the pack only.
 LATE_PREFIXES = ("DSV4", "dsv4")
 # Warm parents per test process (about 0.9 GB each); the least recently used one goes first.
@@ -86,7 +88,7 @@ class _Zygote:
                 self.proc = Child(args, cwd=ROOT, env=env, stdout=log, stderr=log, parent=parent)
             else:
                 self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        self.ready = False
+        self.ready, self.forked = False, parent is not None
         self.listing, self.top_level = listing, set()
         self.early = env
         self.defaults: dict = {}  # what importing the engine set in the zygote's os.environ (setdefault)
@@ -148,7 +150,10 @@ def _zygote_for(interpreter: str, env: dict) -> _Zygote:
             return _warm[found]
         parent = None if early.get("PYTHONPATH") == HOME else _dependencies_for(interpreter, early)
         while len(_warm) >= KEEP:
-            _warm.popitem(last=False)[1].close()
+            # a tree's zygote first (forked from a dependencies-only parent: a second or two to make
+            # again), before one that imported everything itself (the installed engine's: five or more)
+            cheap = [k for k, z in _warm.items() if z.forked]
+            _warm.pop(cheap[0] if cheap else next(iter(_warm))).close()
         _warm[key] = _Zygote(interpreter, early, parent=parent)
         return _warm[key]
 

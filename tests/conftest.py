@@ -48,11 +48,19 @@ class Step:
 
 @pytest.fixture(scope="session", autouse=True)
 def _proof_cache(tmp_path_factory):
-    """The run's own proof cache (engine.proofs), empty at its start: never the user's."""
+    """The run's own proof cache (engine.proofs), empty at its start: never the user's. One for
+    all the run's test processes (pytest-xdist's workers share the folder above their own), as
+    the ranks of a pod share the image's: what one proves the others find, entries being
+    written whole and renamed into place."""
     from sglang_dsv41_adapters.engine import proofs
 
     before = os.environ.get(proofs.ENV)
-    os.environ[proofs.ENV] = str(tmp_path_factory.mktemp("proofs"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "proofs"  # the run's: its workers' folders are beside it
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("proofs")
+    os.environ[proofs.ENV] = str(folder)
     yield
     if before is None:
         os.environ.pop(proofs.ENV, None)

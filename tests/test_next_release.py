@@ -200,7 +200,7 @@ def by_layout(trees, tmp_path_factory):
     model = str(tmp_path_factory.mktemp("model"))
 
     def table(name):
-        tree = next_release.proven_here(trees[name])
+        tree = next_release.proven_here(trees[name], combos())
         return run_ranks(1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
                          kwargs={"model_dir": model, "source_tree": str(tree)}, timeout=900)[0]
     return OnFirstUse(table)

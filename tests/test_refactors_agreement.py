@@ -34,7 +34,7 @@ def table_tree(name: str, into: pathlib.Path) -> pathlib.Path:
 
 @pytest.mark.parametrize("name", sorted(TABLE_TREES))
 def test_the_agreement_table_holds_on_each_kind_of_refactor(name, tmp_path):
-    tree, model = next_release.proven_here(table_tree(name, tmp_path / name)), tmp_path / "model"
+    tree, model = next_release.proven_here(table_tree(name, tmp_path / name), combos()), tmp_path / "model"
     model.mkdir()
     layouts = run_ranks(1, "tests.agreement_cases:layouts", env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}, warm=False,
                         kwargs={"model_dir": str(model), "source_tree": str(tree)}, timeout=280)[0]

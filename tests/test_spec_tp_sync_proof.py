@@ -372,3 +372,59 @@ def test_a_probe_remembered_holds_the_class_and_methods_it_ran():
     for (module, cls, functions), _ in observation._OBSERVED:
         held = {name: value for owner, name, value in functions if owner is cls}  # each class of the MRO, its functions
         assert module is sync and cls is sync.SpecTpSync and held["__init__"] is vars(sync.SpecTpSync)["__init__"]
+
+
+def test_a_trees_class_is_run_once_for_every_process_that_judges_the_same_sources(monkeypatch, tmp_path):
+    """A release read from its sources: its class runs in a child interpreter once, and what it
+    did is kept in the proof cache under the content of the files that decide it. Another
+    process (this one, having forgotten all it held) starts no interpreter for it; with the
+    cache empty, or where the class cannot run (never kept), it starts one again."""
+    from sglang_dsv41_adapters.engine import proofs
+    from sglang_dsv41_adapters.spectpsync import behaviour
+
+    started = []
+
+    def counted(args, **kwargs):
+        started.append(kwargs["cwd"])
+        return popen(args, **kwargs)
+
+    def another_process(cache):
+        monkeypatch.setenv(proofs.ENV, str(cache))
+        proofs.forget()
+        behaviour.close_children()
+        behaviour._answers.clear()
+
+    popen = behaviour.popen
+    monkeypatch.setattr(behaviour, "popen", counted)
+    tree, values, target = str(release_sources("0.5.22")), [None, "all", "off"], (SYNC, "SpecTpSync")
+    another_process(tmp_path / "cache")
+    first = observation._tree_observed(tree, values, target)
+    assert len(started) == 1 and set(first) == set(values)
+    another_process(tmp_path / "cache")
+    assert observation._tree_observed(tree, values, target) == first and len(started) == 1
+    another_process(tmp_path / "empty")
+    assert observation._tree_observed(tree, values, target) == first and len(started) == 2
+
+    partial = tmp_path / "partial" / "sglang" / "srt" / "speculative"  # the class's module alone: it cannot import
+    partial.mkdir(parents=True)
+    shutil.copyfile(pathlib.Path(tree, *SYNC.split(".")).with_suffix(".py"), partial / "spec_tp_sync.py")
+    for _ in range(2):
+        another_process(tmp_path / "cache")
+        with pytest.raises(behaviour.Unobservable):
+            observation._tree_observed(str(tmp_path / "partial"), values, target)
+    assert len(started) == 4
+
+
+def test_a_tree_named_by_a_relative_path_is_run_as_by_its_full_path(monkeypatch):
+    """`doctor --engine .engines/src/0.5.22`: the child runs in the tree's folder, where a relative
+    name points elsewhere; the class runs all the same (its verdicts are not left to the ranks)."""
+    from sglang_dsv41_adapters.spectpsync import behaviour
+
+    tree = release_sources("0.5.22")
+    monkeypatch.chdir(tree.parent)
+    found = []
+    for name in (tree.name, str(tree)):
+        behaviour.close_children()
+        behaviour._answers.clear()
+        found.append(behaviour.observe_tree(name, ["all"]))
+    assert found[0] == found[1] and found[0]["sites"]

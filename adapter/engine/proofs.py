@@ -8,7 +8,9 @@ sources alone is stored under a key made of the sha256 of each source it read (t
 of every .py file of the tree), the pack's own sources, the Python that ran it and its other
 inputs; a tree that differs in one byte from the proven one gives another key and is proven
 again. What the checks probe in the live engine (its classes and functions, the bindings
-the audit walks, SpecTpSync run) is never stored: it runs in every process.
+the audit walks, its SpecTpSync run) is never stored: it runs in every process. A source
+tree's SpecTpSync, run in a child interpreter, is stored under the content of the files
+that decide it (spectpsync.observation).
 
 A file's sha256 is computed again when its stat changed (device, inode, size, modification
 and change times, the way git's index knows a file unchanged); a file changed within

@@ -324,7 +324,7 @@ _READS = (MODULE.replace(".", "/") + ".py", "sglang/srt/environ.py", "sglang/srt
           "sglang/srt/utils/common.py")
 
 
-def _key(tree: str, target: tuple = (MODULE, "SpecTpSync")) -> str:
+def content_key(tree: str, target: tuple = (MODULE, "SpecTpSync")) -> str:
     """A tree as the child would run its class: the content of the files that decide it
     (the class's own home among them) and which class it runs."""
     digest = hashlib.sha256(json.dumps(list(target)).encode())
@@ -342,8 +342,9 @@ def _key(tree: str, target: tuple = (MODULE, "SpecTpSync")) -> str:
 def observe_tree(tree: str, values, target: tuple = (MODULE, "SpecTpSync")) -> dict:
     """The observation of the tree's class `target` ((module, name): the class the workers
     build) for `values`, made in a child interpreter kept per tree; answers kept per content
-    (_key) and value. Unobservable where the class cannot run there."""
-    key = _key(tree, tuple(target))
+    (content_key) and value. Unobservable where the class cannot run there."""
+    tree = os.path.abspath(tree)  # the child runs in the tree's folder: a relative name would point elsewhere there
+    key = content_key(tree, tuple(target))
     missing = [v for v in values if (key, json.dumps(v)) not in _answers]
     if missing:
         place = (os.path.realpath(tree), key)

@@ -3,8 +3,10 @@ that observation checked before any proof rests on it.
 
 The installed class runs in this process, the pack's own wrappers looked through, and is
 remembered per class, functions and value (running it costs a group set-up each time); a
-tree's class runs in a child interpreter (behaviour keeps that child). Where a tree's class
-cannot run here the verdict is Undecided: each rank decides it at launch.
+tree's class runs in a child interpreter (behaviour keeps that child), and what it did is kept
+in the proof cache (engine.proofs) under the content of the files that decide it: another
+process judging the same sources does not start an interpreter again. Where a tree's class
+cannot run here the verdict is Undecided (never kept): each rank decides it at launch.
 
 `checked` refuses an observation that shows the class does not select by its switch (it
 selects other than its own parser reads), or where a part the caller relies on (`sync`,
@@ -18,6 +20,7 @@ import re
 import types
 from typing import Optional
 
+from ..engine import proofs
 from ..engine.contract import Contract, Refused, Undecided
 from ..engine.installed import from_source, version_of
 from . import behaviour, built_class
@@ -34,12 +37,11 @@ def observed(contract: Contract, values, engine=None) -> dict:
     built, home = built_class.of(contract, engine)
     if from_source(module):
         try:
-            found = behaviour.observe_tree(str(module.__engine__.root), values, (built.module, built.name))["values"]
+            return _tree_observed(str(module.__engine__.root), values, (built.module, built.name))
         except behaviour.Unobservable as exc:
             raise Undecided(contract.adapter, f"{built.module}:{built.name}",
                             f"its class cannot be run from these sources in this interpreter ({exc}); each rank "
                             "runs it at launch", version_of(module)) from None
-        return {value: found[json.dumps(value)] for value in values}
     cls = home.attr(built.name)
     originals = {name: engine_defined(cls, name) for name in vars(cls)}
     # the objects themselves, held by the key: an id could be reused by another class after this one is gone
@@ -51,6 +53,21 @@ def observed(contract: Contract, values, engine=None) -> dict:
         found = behaviour.observe_module(module, missing, originals, cls)["values"]
         _OBSERVED.update({(key, value): found[json.dumps(value)] for value in missing})
     return {value: _OBSERVED[(key, value)] for value in values}
+
+
+def _tree_observed(tree: str, values, target: tuple) -> dict:
+    """value -> the observation of the tree's class `target` for it, each kept in the proof cache
+    under behaviour's content key (the files that decide the class, and which class); the values
+    no process has observed yet run in one child. Unobservable where the class cannot run."""
+    content = behaviour.content_key(tree, target)
+    found = {value: proofs.get("spectpsync-tree-behaviour", (content, json.dumps(value))) for value in values}
+    missing = [value for value, seen in found.items() if seen is proofs.MISSING]
+    if missing:
+        fresh = behaviour.observe_tree(tree, missing, target)["values"]
+        for value in missing:
+            found[value] = fresh[json.dumps(value)]
+            proofs.put("spectpsync-tree-behaviour", (content, json.dumps(value)), found[value])
+    return found
 
 
 def reset() -> None:
