@@ -392,7 +392,6 @@ def test_a_trees_class_is_run_once_for_every_process_that_judges_the_same_source
         monkeypatch.setenv(proofs.ENV, str(cache))
         proofs.forget()
         behaviour.close_children()
-        behaviour._answers.clear()
 
     popen = behaviour.popen
     monkeypatch.setattr(behaviour, "popen", counted)
@@ -425,6 +424,5 @@ def test_a_tree_named_by_a_relative_path_is_run_as_by_its_full_path(monkeypatch)
     found = []
     for name in (tree.name, str(tree)):
         behaviour.close_children()
-        behaviour._answers.clear()
         found.append(behaviour.observe_tree(name, ["all"]))
     assert found[0] == found[1] and found[0]["sites"]

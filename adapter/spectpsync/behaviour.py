@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import types
+from typing import Optional
 
 SWITCH = "SGLANG_SPEC_TP_SYNC"
 HELPER = "get_available_gpu_memory"
@@ -315,11 +316,11 @@ class _Child:
 # least recently asked one goes first.
 KEEP_CHILDREN = 2
 _children: collections.OrderedDict = collections.OrderedDict()
-_answers: dict = {}
 
 
 # What the class's behaviour can depend on, beside its own module: the switch's reader and the
-# helper's home. Trees whose copies of these are byte for byte the same are observed once.
+# helper's home. Trees whose copies of these are byte for byte the same are observed once
+# (spectpsync.observation keeps each answer under content_key).
 _READS = (MODULE.replace(".", "/") + ".py", "sglang/srt/environ.py", "sglang/srt/utils/__init__.py",
           "sglang/srt/utils/common.py")
 
@@ -339,26 +340,19 @@ def content_key(tree: str, target: tuple = (MODULE, "SpecTpSync")) -> str:
     return digest.hexdigest()
 
 
-def observe_tree(tree: str, values, target: tuple = (MODULE, "SpecTpSync")) -> dict:
+def observe_tree(tree: str, values, target: tuple = (MODULE, "SpecTpSync"), key: Optional[str] = None) -> dict:
     """The observation of the tree's class `target` ((module, name): the class the workers
-    build) for `values`, made in a child interpreter kept per tree; answers kept per content
-    (content_key) and value. Unobservable where the class cannot run there."""
+    build) for `values`, made in a child interpreter kept per tree and content (`key`:
+    content_key, computed here where not given). Unobservable where the class cannot run there."""
     tree = os.path.abspath(tree)  # the child runs in the tree's folder: a relative name would point elsewhere there
-    key = content_key(tree, tuple(target))
-    missing = [v for v in values if (key, json.dumps(v)) not in _answers]
-    if missing:
-        place = (os.path.realpath(tree), key)
-        child = _children.get(place)
-        if child is None:
-            while len(_children) >= KEEP_CHILDREN:
-                _children.popitem(last=False)[1].close()
-            child = _children[place] = _Child(str(tree))
-        _children.move_to_end(place)
-        answer = child.ask({"values": missing, "target": list(target)})
-        for value in missing:
-            _answers[(key, json.dumps(value))] = (answer["sites"], answer["values"][json.dumps(value)])
-    sites = _answers[(key, json.dumps(values[0]))][0] if values else {}
-    return {"sites": sites, "values": {json.dumps(v): _answers[(key, json.dumps(v))][1] for v in values}}
+    place = (os.path.realpath(tree), key or content_key(tree, tuple(target)))
+    child = _children.get(place)
+    if child is None:
+        while len(_children) >= KEEP_CHILDREN:
+            _children.popitem(last=False)[1].close()
+        child = _children[place] = _Child(str(tree))
+    _children.move_to_end(place)
+    return child.ask({"values": list(values), "target": list(target)})
 
 
 @atexit.register

@@ -59,14 +59,14 @@ def _tree_observed(tree: str, values, target: tuple) -> dict:
     """value -> the observation of the tree's class `target` for it, each kept in the proof cache
     under behaviour's content key (the files that decide the class, and which class); the values
     no process has observed yet run in one child. Unobservable where the class cannot run."""
-    content = behaviour.content_key(tree, target)
-    found = {value: proofs.get("spectpsync-tree-behaviour", (content, json.dumps(value))) for value in values}
+    content, kind = behaviour.content_key(tree, target), "spectpsync-tree-behaviour"
+    found = {value: proofs.get(kind, (content, json.dumps(value))) for value in values}
     missing = [value for value, seen in found.items() if seen is proofs.MISSING]
     if missing:
-        fresh = behaviour.observe_tree(tree, missing, target)["values"]
+        fresh = behaviour.observe_tree(tree, missing, target, content)["values"]
         for value in missing:
             found[value] = fresh[json.dumps(value)]
-            proofs.put("spectpsync-tree-behaviour", (content, json.dumps(value)), found[value])
+            proofs.put(kind, (content, json.dumps(value)), found[value])
     return found
 
 
