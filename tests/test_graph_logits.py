@@ -54,6 +54,12 @@ LATE = {
         BATCH_RESULTS, AFTER_DECODE, AFTER_DECODE + "        result.logits_output.next_token_logits.sum()\n",
         "sglang/srt/managers/scheduler_components/batch_result_processor.py:",
         "reads logits_output.next_token_logits after the worker returns"),
+    "read in a loop above the line that names them": (  # the function is read again once the local changes
+        BATCH_RESULTS, AFTER_DECODE, AFTER_DECODE + "        seen = None\n        for _ in range(2):\n"
+        "            if seen is not None:\n                seen.next_token_logits.sum()\n"
+        "            seen = result.logits_output\n",
+        "sglang/srt/managers/scheduler_components/batch_result_processor.py:",
+        "reads logits_output.next_token_logits after the worker returns"),
     "read by a name given to getattr": (
         BATCH_RESULTS, AFTER_DECODE, AFTER_DECODE + "        getattr(result.logits_output, 'next_token_logits').sum()\n",
         "sglang/srt/managers/scheduler_components/batch_result_processor.py:",

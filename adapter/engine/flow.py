@@ -676,16 +676,29 @@ class _Function:
     def uses(self, what) -> None:
         self.an.users[what].add(self.key)
 
+    def local(self, name: str) -> frozenset:
+        self.tick += 1
+        self.first_read.setdefault(name, self.tick)
+        return self.env.get(name, E)
+
+    def grow(self, name: str, tokens: frozenset) -> None:
+        if tokens - self.env.get(name, E):
+            self.tick += 1
+            self.env[name] = self.env.get(name, E) | tokens
+            self.last_grown[name] = self.tick
+
     def gap(self, node, why: str) -> None:
         self.an.gaps.add(Place(self.module, getattr(node, "lineno", self.node.lineno), self.where, why))
 
     def run(self) -> None:
         self.uses(("params", self.key))
         for _ in range(8):
-            before = dict(self.env)
+            # A pass in which every local was read only after its last change saw each one whole:
+            # another would compute the same again.
+            self.tick, self.first_read, self.last_grown = 0, {}, {}
             for statement in self.node.body:
                 self.statement(statement)
-            if dict(self.env) == before:
+            if all(self.first_read.get(name, self.tick) > at for name, at in self.last_grown.items()):
                 break
         if self.returned - self.an.returns[self.key]:
             self.an.returns[self.key] |= self.returned
@@ -783,7 +796,7 @@ class _Function:
         if isinstance(target, ast.Name):
             if target.id not in self.locals and self.carries(tokens):
                 self.gap(target, f"keeps {self.said(tokens)} in the module-level name {target.id}, which is not followed")
-            self.env[target.id] |= tokens
+            self.grow(target.id, tokens)
         elif isinstance(target, (ast.Tuple, ast.List)):
             for index, element in enumerate(target.elts):
                 if isinstance(element, ast.Starred):
@@ -824,7 +837,7 @@ class _Function:
         if isinstance(holder_node, ast.Name):
             if holder_node.id not in self.locals and self.carries(tokens):
                 self.gap(node, f"keeps {self.said(tokens)} in the module-level {holder_node.id}, which is not followed")
-            self.env[holder_node.id] |= _element(tokens)
+            self.grow(holder_node.id, _element(tokens))
         elif isinstance(holder_node, ast.Attribute):
             self.keep(holder_node.value, self.value(holder_node.value), holder_node.attr, _element(tokens), node)
         elif isinstance(holder_node, ast.Subscript):
@@ -866,7 +879,7 @@ class _Function:
             return E
         if isinstance(node, ast.Name):
             if node.id in self.locals:
-                return self.env.get(node.id, E)
+                return self.local(node.id)
             return frozenset({("global", self.module, node.id, tuple(self.imported.get(node.id, ())))})
         if isinstance(node, ast.Attribute):
             return self.attribute(node, self.value(node.value))
@@ -1134,7 +1147,7 @@ class _Function:
         method), "partial"."""
         if isinstance(func, ast.Name):
             if func.id in self.locals:
-                found = self.callable_tokens(self.env.get(func.id, E))
+                found = self.callable_tokens(self.local(func.id))
                 return (found, "") if found else (None, f"{func.id} is a local whose callee is not known")
             return self.resolved(self.resolve_name(func.id))
         if not isinstance(func, ast.Attribute):
