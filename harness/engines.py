@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
 import shutil
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETTINGS = ("DSV41_ADAPTERS_PROOF_CACHE", "DSV41_ADAPTERS_SNAPSHOT_KERNEL")  # engine.settings.NAMES
@@ -48,6 +50,34 @@ def _compat_matrix():
     import compat_matrix
 
     return compat_matrix
+
+
+_SEEDS: dict = {}  # a tree -> this process's copy of it, which linked copies link to
+BINARIES = (".pyc", ".so")  # never hashed by the proofs: linked even into the seed
+
+
+def linked_copy(tree: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+    """`tree` copied into `into` as hard links (quick, and the bytecode cache stays valid), made to
+    a copy of `tree` this process keeps instead of to `tree` itself: a new link changes its file's
+    change time, which the proof cache takes for a changed file (engine.proofs), so linking to
+    the installed engine would have every later process hash its 4,700 files again. Copied
+    where the file system allows no link."""
+    tree = pathlib.Path(tree).resolve()
+    if tree not in _SEEDS:
+        seed = pathlib.Path(tempfile.mkdtemp(prefix="engine-seed-")) / tree.name
+        atexit.register(shutil.rmtree, seed.parent, True)
+        shutil.copytree(tree, seed, copy_function=lambda a, b: (_link(a, b) if a.endswith(BINARIES)
+                                                                 else shutil.copy2(a, b)))  # times kept
+        _SEEDS[tree] = seed
+    shutil.copytree(_SEEDS[tree], into, copy_function=_link)
+    return pathlib.Path(into)
+
+
+def _link(source, destination):
+    try:
+        os.link(source, destination)
+    except OSError:  # another file system
+        shutil.copy2(source, destination)
 
 
 PREVIEW = "0.0.0.dev0"  # what a preview image built from an unmerged branch reports

@@ -27,9 +27,9 @@ a tree's first interpreter.
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
-import shutil
+
+from .engines import linked_copy
 
 SITE_PACKAGES = pathlib.Path(importlib.util.find_spec("sglang").origin).parent.parent
 SYNC = "srt/speculative/spec_tp_sync.py"
@@ -284,7 +284,7 @@ def tree(into, fixes, version: str = "0.5.24") -> pathlib.Path:
     (names of FIXES) applied and labelled `version`, as a preview build is: its generated
     sglang/_version.py says so and no dist-info sits beside it."""
     into = pathlib.Path(into)
-    shutil.copytree(SITE_PACKAGES / "sglang", into / "sglang", copy_function=os.link)
+    linked_copy(SITE_PACKAGES / "sglang", into / "sglang")
     version_file = into / "sglang" / "_version.py"
     version_file.unlink(missing_ok=True)
     version_file.write_text(f"__version__ = version = {version!r}\n"

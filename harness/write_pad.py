@@ -14,11 +14,10 @@ The label stays the release's: the verdict must follow the code, not the label.
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
-import shutil
 import zipfile
 
+from .engines import linked_copy
 from .next_release import edit
 
 POOL = "srt/mem_cache/deepseek_v4_memory_pool.py"
@@ -63,10 +62,10 @@ DERIVED = "  const auto mtp_pad = ring_size > window_size ? ring_size - window_s
 
 
 def copy_tree(tree: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
-    """`tree`'s sglang/ and dist-info, hard-linked into `into` (an edit writes a file of its own)."""
+    """`tree`'s sglang/ and dist-info, linked into `into` (engines.linked_copy; an edit writes a file of its own)."""
     for entry in tree.iterdir():
         if entry.name == "sglang" or (entry.name.startswith("sglang-") and entry.name.endswith(".dist-info")):
-            shutil.copytree(entry, into / entry.name, copy_function=os.link)  # bytecode cache too: next_release.tree
+            linked_copy(entry, into / entry.name)
     return into
 
 

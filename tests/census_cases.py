@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
 import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
+
+from harness.engines import linked_copy
 
 SPEC = "sglang.srt.speculative"
 PACKAGE = f"{SPEC}.dspark_components"
@@ -137,18 +138,11 @@ def imported(release: str) -> dict:
     return results
 
 
-def _link_or_copy(source, destination):
-    try:
-        os.link(source, destination)
-    except OSError:  # another file system
-        shutil.copy2(source, destination)
-
-
 def source_tree(release_root: pathlib.Path, refactor: Refactor, into: pathlib.Path) -> str:
-    """A copy of a release's sources (hard links where the file system allows: doctor
-    --engine reads regular files only, never symbolic links) with the refactor written
-    in; returns "path:line" of the marked line."""
-    shutil.copytree(release_root, into, copy_function=_link_or_copy)
+    """A copy of a release's sources (hard links, harness.engines.linked_copy: doctor --engine
+    reads regular files only, never symbolic links) with the refactor written in; returns
+    "path:line" of the marked line."""
+    linked_copy(release_root, into)
 
     def path_of(module: str) -> pathlib.Path:
         return into.joinpath(*module.split(".")).with_suffix(".py")

@@ -80,6 +80,20 @@ def _tree_children_start_warm():
     behaviour.popen = before
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config):
+    """The pack's syntax trees dropped before pytest's own last collections (its unraisable-exception
+    plugin collects twice as a test process ends): the trees of every engine the run read, millions
+    of objects, none cyclic, that each collection would otherwise walk (seconds per process)."""
+    from sglang_dsv41_adapters.engine import flow, proofs, syntax
+
+    for cache in (flow._PARSED, flow._NAMES):
+        cache.clear()
+    for cached in (flow._marks, flow._self_stores, syntax.parse, syntax.index):
+        cached.cache_clear()
+    proofs.forget()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _imports_kept_out_of_collections():
     """What collecting the tests imported (torch and the engine: about 700,000 objects) stays for the
