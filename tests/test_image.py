@@ -122,6 +122,8 @@ class Image:
         drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "SGLANG_PLUGINS", "SGLANG_PLATFORM")
         env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("DSV41_")}
         env.update(PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}", COLUMNS="120", HF_HUB_OFFLINE="1")
+        # the container's own cache folder (the pack's proof cache defaults to one there), never this user's
+        env.update(XDG_CACHE_HOME=str(self.workdir.parent / "cache"))
         env.update(extra or {})
         return env
 

@@ -130,6 +130,7 @@ def shell_words(command: str, env: dict) -> list[str]:
 
 def test_the_image_build_passes_on_each_refactor_with_no_flag_and_records_every_verdict(shape, tmp_path):
     name, tree = shape
+    next_release.proven_here(tree, [{}])
     done, record = build_doctor(tree, "", tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.startswith("verdict: ok (exit 0)") and record.is_file()
@@ -137,7 +138,7 @@ def test_the_image_build_passes_on_each_refactor_with_no_flag_and_records_every_
 
 
 def test_the_image_build_fails_for_a_required_flag_the_pack_refuses(tmp_path):
-    tree = next_release.tree(tmp_path / "drops", ["subclass-drops-broadcast"], "0.5.24")
+    tree = next_release.proven_here(next_release.tree(tmp_path / "drops", ["subclass-drops-broadcast"], "0.5.24"), [{}])
     default = dockerfile_args()["REQUIRED_FLAGS"]
     assert default == "@/opt/sglang-dsv41/adapters.env"  # the recipe's flags, DSV41_SPEC_TP_SYNC=all among them
     done, record = build_doctor(tree, default, tmp_path)
