@@ -14,6 +14,7 @@ import tomllib
 import pytest
 
 from sglang_dsv41_adapters import cli
+from sglang_dsv41_adapters.engine import settings
 from sglang_dsv41_adapters import ADAPTERS, load
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.engine.source_engine import SourceEngine
@@ -214,9 +215,11 @@ CASES = {
 
 @pytest.fixture
 def environ(monkeypatch):
-    """A clean pack environment for in-process runs, and a fresh per-process decision."""
+    """A clean pack environment for in-process runs, and a fresh per-process decision. The pack's settings stay
+    (the run's proof cache: never the user's)."""
     for key in list(os.environ):
-        if runtime.unknown_flags({key: ""}) or key in runtime.pack_flags() or key.startswith(("SGLANG_SPEC", "SGLANG_PLUGINS")):
+        if (runtime.unknown_flags({key: ""}) or key in runtime.pack_flags() or key.startswith(("SGLANG_SPEC", "SGLANG_PLUGINS"))) \
+                and key not in settings.NAMES:
             monkeypatch.delenv(key)
     runtime.reset()
 
