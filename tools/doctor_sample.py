@@ -21,12 +21,13 @@ import re
 import subprocess
 import sys
 
+from sglang_dsv41_adapters.engine import settings
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "dsv41-flash-tp4-dspark"
 IMAGE_SITE = "/usr/local/lib/python3.12/dist-packages"  # where the image installs sglang and the pack
 # Every flag on: the recipe's adapters.env, and the divergence report it leaves commented out.
 EXTRA_FLAGS = {"DSV41_TP_DIVERGENCE": "1"}
-SETTINGS = "DSV41_ADAPTERS_"  # engine.settings: where the proof cache and the kernel file are
 SAMPLES = {  # file -> doctor's options
     ROOT / "README.md": [],
     ROOT / "docs" / "doctor.md": ["--verbose"],
@@ -48,7 +49,7 @@ def run(options: list[str]) -> str:
     """doctor's stdout, in an environment with no pack flag or engine switch but the sample's (the pack's
     settings, its proof cache's folder among them, are no flags: they are kept)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.upper().startswith(("DSV41_", "SGLANG_")) or k.startswith(SETTINGS)} | flags()
+           if not k.upper().startswith(("DSV41_", "SGLANG_")) or k in settings.NAMES} | flags()
     command = ["python3", "-m", "sglang.launch_server", *recipe_lines("server.args")]
     done = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "doctor", *options, "--", *command],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
