@@ -698,7 +698,7 @@ class _Function:
             self.tick, self.first_read, self.last_grown = 0, {}, {}
             for statement in self.node.body:
                 self.statement(statement)
-            if all(self.first_read.get(name, self.tick) > at for name, at in self.last_grown.items()):
+            if not any(self.first_read.get(name, at) < at for name, at in self.last_grown.items()):
                 break
         if self.returned - self.an.returns[self.key]:
             self.an.returns[self.key] |= self.returned
