@@ -135,7 +135,8 @@ class Server:
 
         self.http = Listener(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_port}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        # closing waits for the loop's next poll: a short one keeps each test's teardown short
+        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
 
     def close(self):
         self.http.shutdown()

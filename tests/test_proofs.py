@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -123,6 +124,27 @@ def test_a_file_changed_in_place_with_its_time_put_back_is_hashed_again(cache, t
     assert path.stat().st_mtime_ns == stat.st_mtime_ns and path.stat().st_size == stat.st_size
     as_a_later_process()  # it has only the record
     assert proofs.file_digests([str(path)]) != first == (proofs.digest(b"VALUE = 1\n"),)
+
+
+def test_a_module_source_changed_on_disk_is_read_again(tmp_path, monkeypatch):
+    """contract.module_source keeps a module's text while its file's stat stays the same (the
+    same text object: its digest is found by identity), and reads it again once it changed."""
+    from sglang_dsv41_adapters.engine import contract
+
+    monkeypatch.setattr(proofs, "RACY_NS", 0)  # keep a file written just now (a test cannot wait for the clock)
+    path = tmp_path / "late_module.py"
+    path.write_text("VALUE = 1\n")
+    module = types.ModuleType("late_module")
+    module.__file__ = str(path)
+    first = contract.module_source(module)
+    assert first == "VALUE = 1\n" and contract.module_source(module) is first
+    time.sleep(0.05)  # past the file system's clock tick
+    path.write_text("VALUE = 22\n")
+    assert contract.module_source(module) == "VALUE = 22\n"
+    monkeypatch.setattr(proofs, "RACY_NS", 10**12)  # a file read as it may still change is read every time
+    path.write_text("VALUE = 333\nOTHER = 4\n")  # two lines: each reading joins them anew
+    read = contract.module_source(module)
+    assert read == "VALUE = 333\nOTHER = 4\n" and contract.module_source(module) is not read
 
 
 def test_a_file_changed_as_it_was_hashed_is_not_recorded(cache, tmp_path):

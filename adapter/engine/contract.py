@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Iterable
 from typing import Callable, Optional
 
@@ -124,7 +125,7 @@ class Contract:
     def source(self) -> str:
         if self._source is None:
             try:
-                self._source = inspect.getsource(self.module)
+                self._source = module_source(self.module)
             except (OSError, TypeError) as exc:
                 raise self.refuse("<source>", f"module source is unreadable ({exc}); call sites cannot be checked")
         return self._source
@@ -157,6 +158,31 @@ class Contract:
             if not within(function, functions):
                 raise self.refuse(function, f"line {line} uses {name}, a path this adapter does not cover")
         return list(found)
+
+
+_SOURCES: dict = {}  # a module's source file -> (its stat signature, the text read)
+KEEP_SOURCES = 256  # files whose text this process keeps (the oldest go first): one tree's checked modules, many times over
+
+
+def module_source(module) -> str:
+    """inspect.getsource(module), read again only where the file's stat changed (as
+    proofs.content_digest): a decision builds dozens of contracts on the same few modules,
+    and one text object keeps their digests and proof look-ups cheap. A file changed within
+    proofs.RACY_NS of its reading, or a module without a .py file, is read every time."""
+    path = getattr(module, "__file__", None)
+    if not (isinstance(path, str) and path.endswith(".py")):
+        return inspect.getsource(module)
+    signature = proofs.file_signature(path)
+    known = _SOURCES.get(path)
+    if signature is not None and known is not None and known[0] == signature:
+        return known[1]
+    started = time.time_ns()
+    text = inspect.getsource(module)
+    if signature is not None and proofs.settled(signature, started):
+        while len(_SOURCES) >= KEEP_SOURCES:
+            del _SOURCES[next(iter(_SOURCES))]
+        _SOURCES[path] = (signature, text)
+    return text
 
 
 @functools.lru_cache(maxsize=32)

@@ -83,6 +83,7 @@ def notes() -> list[str]:
 def forget() -> None:
     """Forget what this process read, wrote and hashed (tests: the next look-up reads the folders)."""
     _memory.clear()
+    _names.clear()
     _digests.clear()
     _said.clear()
     _notes.clear()
@@ -116,11 +117,21 @@ def _plain(key) -> bool:
     return all(map(_plain, key)) if type(key) is tuple else isinstance(key, _PLAIN)
 
 
+_names: dict = {}  # (kind, key) -> (entry name, material): a decision asks for the same keys many times
+
+
 def _name(kind: str, key: tuple) -> tuple[str, str]:
+    try:
+        return _names[kind, key]
+    except (KeyError, TypeError):  # TypeError: a key that cannot be hashed, refused below
+        pass
     if not _plain(key):
         raise TypeError(f"a proof cache key must be a tuple of strings, bytes and numbers: {key!r}")
     material = repr((FORMAT, kind, key, pack_digest(), sys.version, sys.implementation.cache_tag))
-    return f"{kind}-{digest(material)}", material
+    if len(_names) >= KEEP_IN_MEMORY:
+        _names.clear()
+    _names[kind, key] = found = f"{kind}-{digest(material)}", material
+    return found
 
 
 def _untrusted(path: pathlib.Path, *, entry: bool = False) -> Optional[str]:
@@ -271,7 +282,8 @@ def memo(kind: str):
 _digests: dict = {}  # path -> (stat signature, sha256): this process's
 
 
-def _signature(path: str) -> Optional[tuple]:
+def file_signature(path: str) -> Optional[tuple]:
+    """A file's stat as far as a change shows in it (None: no such file)."""
     try:
         found = os.stat(path)
     except OSError:
@@ -288,12 +300,18 @@ def _hash(path: str, signature: Optional[tuple]) -> tuple[Optional[str], bool]:
             value = digest(handle.read())
     except OSError:
         return None, False
-    return value, signature is not None and max(signature[3], signature[4]) < started - RACY_NS
+    return value, signature is not None and settled(signature, started)
+
+
+def settled(signature: tuple, read_at: int) -> bool:
+    """Whether what was read of a file at `read_at` holds while its stat stays `signature`:
+    not where it changed within RACY_NS of that reading (it may change again in the same tick)."""
+    return max(signature[3], signature[4]) < read_at - RACY_NS
 
 
 def content_digest(path: str) -> Optional[str]:
     """One file's sha256, hashed again only where its stat changed (None: not a readable file)."""
-    signature = _signature(path)
+    signature = file_signature(path)
     known = _digests.get(path)
     if signature is not None and known is not None and known[0] == signature:
         return known[1]
@@ -316,7 +334,7 @@ def file_digests(paths: Iterable[str]) -> tuple[str, ...]:
     was hashed is recorded per folder (the one holding sglang/): {path in it: (stat, sha256)}."""
     records, changed, found = {}, set(), []
     for path in paths:
-        signature = _signature(path)
+        signature = file_signature(path)
         known = _digests.get(path)
         if known is None or known[0] != signature:
             root, name = _place(path)

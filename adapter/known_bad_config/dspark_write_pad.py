@@ -39,7 +39,7 @@ import re
 from typing import NamedTuple, Optional
 
 from ..engine import syntax
-from ..engine.contract import Contract, Undecided, target_modules
+from ..engine.contract import Contract, Undecided, source_proof, target_modules
 from ..engine.installed import from_source
 from ..engine.source_engine import small_text
 from ..framework.plan import Plan
@@ -108,9 +108,11 @@ class Mirror(NamedTuple):
         return f"{self.where}(compress_ratio, ring_size) {how} ({CONFIGURATOR} bounds the draft count with it, line {self.line})"
 
 
+@source_proof("write-pad-bound")
 def _bound_call(configurator: Contract) -> Optional[tuple[str, int]]:
     """(the callee, its line) of the configurator's `bound = f(x, y)` whose value a draft
-    count is compared with; None where no draft count is bounded so."""
+    count is compared with; None where no draft count is bounded so. Read from its source
+    alone, and kept under it: every decision asks it."""
     for func in ast.walk(syntax.parse(configurator.source())):
         if not isinstance(func, ast.FunctionDef):
             continue

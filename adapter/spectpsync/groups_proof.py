@@ -12,6 +12,7 @@ says which one it used.
 from __future__ import annotations
 
 import ast
+import functools
 import types
 
 from ..engine.contract import Contract, Refused, source_proof
@@ -40,6 +41,7 @@ def _returns(contract: Contract, name: str) -> tuple:
     return tuple(ast.unparse(s.value) for s in body(function(contract, name)) if isinstance(s, ast.Return))
 
 
+@functools.lru_cache(maxsize=64)  # a pure reading of one expression, asked by every decision
 def _batch_rule(expression: str) -> bool:
     try:
         node = ast.parse(expression, mode="eval").body
@@ -97,6 +99,7 @@ def worker_groups(contract: Contract, engine) -> dict[str, str]:
     return groups
 
 
+@functools.lru_cache(maxsize=64)  # a pure reading of one call, asked by every decision
 def _group_passed(call: str):
     """The one positional argument of the construction `call`, None where there is not one."""
     node = ast.parse(call, mode="eval").body
