@@ -150,3 +150,18 @@ def test_the_real_0_5_23_wheel_unpacks_within_the_limits(tmp_path):
     # Headroom the limits keep over the real release.
     assert max(i.file_size for i in sources) * 4 < source_engine.MEMBER_LIMIT
     assert sum(i.file_size for i in sources) * 3 < source_engine.TOTAL_LIMIT
+
+
+def test_a_module_that_does_not_parse_is_an_error_naming_its_file_and_line(tmp_path):
+    """A module of the tree that is not Python raises SyntaxError naming the file and the line,
+    each time it is asked (the checks that read it refuse with that reason); the tree's other
+    modules still read."""
+    root = folder_engine(tmp_path / "tree")
+    (root / "sglang" / "srt" / "good.py").write_text("def fine(x):\n    return x\n")
+    (root / "sglang" / "srt" / "broken.py").write_text("VALUE = 1\ndef broken(:\n    pass\n")
+    engine = SourceEngine(root)
+    for _ in range(2):  # asked again (another adapter's check), it is the same error, not an empty module
+        with pytest.raises(SyntaxError) as raised:
+            engine.module("sglang.srt.broken")
+        assert (raised.value.filename, raised.value.lineno) == (str(root / "sglang" / "srt" / "broken.py"), 2)
+    assert engine.module("sglang.srt.good").fine.__source_text__ == "def fine(x):\n    return x"

@@ -33,6 +33,7 @@ import zlib
 from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
+from . import syntax
 from .files import python_files
 
 # sglang 0.5.16-0.5.23: the largest .py file is 444 KB (0.5.18 server_args.py), all .py
@@ -255,14 +256,18 @@ class SourceEngine:
         path = self.path(name)
         if path is None:
             return None
+        text = path.read_text(encoding="utf-8")
+        try:  # one parse per process of each text, whichever engine or check reads it (syntax.parse)
+            tree = syntax.parse(text)
+        except SyntaxError:
+            tree = ast.parse(text, filename=str(path))  # raised again, naming the file (and every time it is asked)
         module = SourceModule(name)
         module.__file__ = str(path)
         module.__engine__ = self
         module.__star_sources__ = []
-        self._modules[name] = module
+        self._modules[name] = module  # before its names are bound: a module of the tree that imports it back finds it
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        text = path.read_text(encoding="utf-8")
-        for node in ast.parse(text, filename=str(path)).body:
+        for node in tree.body:
             self._bind(module, node, package, text)
         return module
 
