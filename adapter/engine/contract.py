@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import Iterable
 from typing import Callable, Optional
 
@@ -172,17 +171,7 @@ def module_source(module) -> str:
     path = getattr(module, "__file__", None)
     if not (isinstance(path, str) and path.endswith(".py")):
         return inspect.getsource(module)
-    signature = proofs.file_signature(path)
-    known = _SOURCES.get(path)
-    if signature is not None and known is not None and known[0] == signature:
-        return known[1]
-    started = time.time_ns()
-    text = inspect.getsource(module)
-    if signature is not None and proofs.settled(signature, started):
-        while len(_SOURCES) >= KEEP_SOURCES:
-            del _SOURCES[next(iter(_SOURCES))]
-        _SOURCES[path] = (signature, text)
-    return text
+    return proofs.read_while_unchanged(_SOURCES, path, lambda: inspect.getsource(module), keep=KEEP_SOURCES)
 
 
 @functools.lru_cache(maxsize=32)

@@ -282,8 +282,7 @@ def memo(kind: str):
 _digests: dict = {}  # path -> (stat signature, sha256): this process's
 
 
-def file_signature(path: str) -> Optional[tuple]:
-    """A file's stat as far as a change shows in it (None: no such file)."""
+def _signature(path: str) -> Optional[tuple]:
     try:
         found = os.stat(path)
     except OSError:
@@ -291,34 +290,49 @@ def file_signature(path: str) -> Optional[tuple]:
     return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
 
 
-def _hash(path: str, signature: Optional[tuple]) -> tuple[Optional[str], bool]:
-    """(the file's sha256, None where it cannot be read; whether that may be trusted while the
-    file's stat stays `signature`: not where it changed within RACY_NS of being read)."""
-    started = time.time_ns()
-    try:
-        with open(path, "rb") as handle:
-            value = digest(handle.read())
-    except OSError:
-        return None, False
-    return value, signature is not None and settled(signature, started)
-
-
-def settled(signature: tuple, read_at: int) -> bool:
+def _settled(signature: tuple, read_at: int) -> bool:
     """Whether what was read of a file at `read_at` holds while its stat stays `signature`:
     not where it changed within RACY_NS of that reading (it may change again in the same tick)."""
     return max(signature[3], signature[4]) < read_at - RACY_NS
 
 
-def content_digest(path: str) -> Optional[str]:
-    """One file's sha256, hashed again only where its stat changed (None: not a readable file)."""
-    signature = file_signature(path)
-    known = _digests.get(path)
+def _sha256_of(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as handle:
+            return digest(handle.read())
+    except OSError:
+        return None
+
+
+def _hash(path: str, signature: Optional[tuple]) -> tuple[Optional[str], bool]:
+    """(the file's sha256, None where it cannot be read; whether that may be trusted while the
+    file's stat stays `signature`: not where it changed within RACY_NS of being read)."""
+    started = time.time_ns()
+    value = _sha256_of(path)
+    return value, value is not None and signature is not None and _settled(signature, started)
+
+
+def read_while_unchanged(kept: dict, path: str, read: Callable[[], object], keep: Optional[int] = None):
+    """read()'s value for the file at `path`, kept in `kept` ({path: (its stat, the value)}) and
+    read again only where the file's stat changed since, or changed within RACY_NS of that
+    reading; None (a file that could not be read) is never kept. `keep`: at most that many
+    files (the oldest go first)."""
+    signature = _signature(path)
+    known = kept.get(path)
     if signature is not None and known is not None and known[0] == signature:
         return known[1]
-    value, trusted = _hash(path, signature)
-    if trusted:
-        _digests[path] = (signature, value)
+    started = time.time_ns()
+    value = read()
+    if value is not None and signature is not None and _settled(signature, started):
+        while keep is not None and len(kept) >= keep:
+            del kept[next(iter(kept))]
+        kept[path] = (signature, value)
     return value
+
+
+def content_digest(path: str) -> Optional[str]:
+    """One file's sha256, hashed again only where its stat changed (None: not a readable file)."""
+    return read_while_unchanged(_digests, path, lambda: _sha256_of(path))
 
 
 def _place(path: str) -> tuple[str, str]:
@@ -334,7 +348,7 @@ def file_digests(paths: Iterable[str]) -> tuple[str, ...]:
     was hashed is recorded per folder (the one holding sglang/): {path in it: (stat, sha256)}."""
     records, changed, found = {}, set(), []
     for path in paths:
-        signature = file_signature(path)
+        signature = _signature(path)
         known = _digests.get(path)
         if known is None or known[0] != signature:
             root, name = _place(path)
