@@ -14,7 +14,7 @@ import pytest
 from sglang_dsv41_adapters.engine import source_engine
 from sglang_dsv41_adapters.engine.source_engine import EngineSourceError, SourceEngine, open_engine, unpack_wheel
 from sglang_dsv41_adapters.cli import EXIT_USAGE
-from harness.engines import ROOT, engine_env, python, release_wheel
+from harness.engines import ROOT, engine_env, linked_copy, python, release_sources, release_wheel
 from harness import zygote
 from tests.log_lines import untimed
 
@@ -165,3 +165,26 @@ def test_a_module_that_does_not_parse_is_an_error_naming_its_file_and_line(tmp_p
             engine.module("sglang.srt.broken")
         assert (raised.value.filename, raised.value.lineno) == (str(root / "sglang" / "srt" / "broken.py"), 2)
     assert engine.module("sglang.srt.good").fine.__source_text__ == "def fine(x):\n    return x"
+
+
+def test_a_release_module_that_does_not_parse_is_named_by_every_check_that_reads_it(tmp_path):
+    """0.5.23's sources with its DSpark worker made unparsable: every adapter whose check reads
+    that module refuses naming the SyntaxError and its line, not a symbol gone missing."""
+    from sglang_dsv41_adapters import ADAPTERS, load
+    from sglang_dsv41_adapters.framework import runtime
+    from sglang_dsv41_adapters.framework.topology import Topology
+
+    root = tmp_path / "tree"
+    linked_copy(release_sources("0.5.23") / "sglang", root / "sglang")
+    worker = root / "sglang" / "srt" / "speculative" / "dspark_components" / "dspark_worker_v2.py"
+    text = worker.read_text()
+    worker.unlink()  # a file of its own: the others stay linked
+    worker.write_text(text.replace("class DSparkWorkerV2", "class DSparkWorkerV2(:", 1))
+    line = text[:text.index("class DSparkWorkerV2")].count("\n") + 1
+    decision = runtime.decide({load(n).flag: load(n).check_value for n in ADAPTERS}, SourceEngine(root),
+                              topology=Topology(4))
+    reasons = {o.adapter: (o.state, o.reason) for o in decision.outcomes}
+    for adapter in ("folded_fence", "rank0_broadcast", "group_min_memory", "tp_divergence"):
+        state, reason = reasons[adapter]
+        assert state == "refused" and f"SyntaxError: invalid syntax (dspark_worker_v2.py, line {line})" in reason, \
+            (adapter, reason)
