@@ -60,6 +60,44 @@ def preload() -> None:
         raise SystemExit("the engine imported the pack while loading: a zygote would hand children its decision")
 
 
+_made: list = []  # the prometheus_client metric values made while this parent imported (none expected)
+
+
+def watch_metric_values() -> None:
+    """prometheus_client picks where every metric value lives (this process, or files under
+    PROMETHEUS_MULTIPROC_DIR) once, when it is imported; a child picks again in its own
+    environment (_pick_metric_values), which holds only while the parent made no value itself."""
+    try:
+        from prometheus_client import values
+    except ImportError:
+        return
+
+    class Watched(values.MutexValue):
+        def __init__(self, typ, metric_name, name, *args, **kwargs):
+            _made.append(name)
+            super().__init__(typ, metric_name, name, *args, **kwargs)
+
+    values.ValueClass = Watched
+
+
+def check_metric_values() -> None:
+    values = sys.modules.get("prometheus_client.values")
+    if values is None:
+        return
+    if _made:
+        raise SystemExit(f"importing the engine made prometheus metric values ({', '.join(_made[:3])}): a child "
+                         "could not take PROMETHEUS_MULTIPROC_DIR from its own environment (harness.zygote.LATE)")
+    values.ValueClass = values.get_value_class()
+
+
+def _pick_metric_values() -> None:
+    """prometheus_client's choice of where values live, made again in the child's environment,
+    as a fresh interpreter importing it there would make it."""
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None:
+        values.ValueClass = values.get_value_class()
+
+
 def _exit_code(code) -> int:
     if code is None:
         return 0
@@ -81,26 +119,36 @@ def child(request: dict, fds: list) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     _import_path(STARTED_WITH.get("PYTHONPATH"), request["env"].get("PYTHONPATH"))
+    _pick_metric_values()
     os.chdir(request["cwd"])
     args = request["args"]
-    while args[0] == "-B":  # what a spawn child's command line carries from a parent run with -B
-        sys.dont_write_bytecode = True
+    safe_path = False
+    while args[0] in ("-B", "-P"):
+        if args[0] == "-B":  # what a spawn child's command line carries from a parent run with -B
+            sys.dont_write_bytecode = True
+        else:  # -P: nothing put first on sys.path for the command (its folder, the working one or "")
+            safe_path = True
         args = args[1:]
+
+    def first_on_path(entry: str) -> None:
+        if not safe_path:
+            sys.path.insert(0, entry)
+
     code = 0
     try:
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
-            sys.path.insert(0, os.getcwd())
+            first_on_path(os.getcwd())
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         elif args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
-            sys.path.insert(0, "")
+            first_on_path("")
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
             exec(compile(args[1], "<string>", "exec"), main.__dict__)
         else:
             sys.argv = list(args)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            first_on_path(os.path.dirname(os.path.abspath(args[0])))
             runpy.run_path(args[0], run_name="__main__")
     except SystemExit as exc:
         code = _exit_code(exc.code)
@@ -203,6 +251,7 @@ def serve(address: str) -> None:
 
 if __name__ == "__main__":
     gc.set_threshold(*COLLECTION)
+    watch_metric_values()
     if sys.argv[2:3] == ["--dependencies"]:
         dependencies(sys.argv[3])
     else:
@@ -210,6 +259,7 @@ if __name__ == "__main__":
         with open(sys.argv[1] + ".modules.starting", "w") as listing:  # what a dependencies-only parent imports
             listing.write("\n".join(m for m in sys.modules if not m.startswith(("sglang", "__main__"))))
         os.replace(sys.argv[1] + ".modules.starting", sys.argv[1] + ".modules")
+    check_metric_values()
     # What the engine's import made is kept for good: a child's full collections skip it (about
     # half a second a doctor run) and its pages stay shared with the zygote's.
     gc.freeze()

@@ -13,7 +13,7 @@ spawn_main; ...' --multiprocessing-fork`, with the pipes it passes) from a zygot
 children whose environment matches its own in everything that shapes imports: any variable
 may differ only if it is read when the command runs (LATE), so a different PYTHONPATH, an
 SGLANG_ variable or an injected Kubernetes variable gets a zygote of its own. Anything the
-zygote cannot serve (another interpreter, interpreter options, DSV41_ZYGOTE=0) runs as a
+zygote cannot serve (another interpreter, interpreter options other than -P, DSV41_ZYGOTE=0) runs as a
 plain subprocess.
 
 Another tree's engine (first on PYTHONPATH) cannot come from a parent that imported the installed
@@ -49,6 +49,8 @@ from .engines import ROOT
 # when the fence first needs its copy; DSV41_ADAPTERS_PROOF_CACHE (SGLANG_ADAPTERS_PROOF_CACHE), whenever
 # it looks up or keeps a proof.
 # REQUIRED_FLAGS: the image build's argument, which its doctor command reads through the shell.
+# PROMETHEUS_MULTIPROC_DIR (and its old lower-case name): prometheus_client picks where metric values
+# live when it is imported; a zygote's child picks again in its own environment (_zygote.py).
 # SGLANG_PLUGINS and SGLANG_SPEC_TP_SYNC: the engine reads them with envs.X.get() when it loads
 # its plugins (sglang.srt.plugins.load_plugins) and builds a SpecTpSync (its __init__), on every
 # release that has them; the preload never does either (it would import the pack, refused there).
@@ -56,7 +58,7 @@ LATE = ("PATH", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
         "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
         "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "COLUMNS", "LINES",
         "SGLANG_ADAPTERS_SNAPSHOT_KERNEL", "SGLANG_ADAPTERS_PROOF_CACHE", "SGLANG_PLUGINS", "SGLANG_SPEC_TP_SYNC",
-        "REQUIRED_FLAGS")
+        "REQUIRED_FLAGS", "PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
 # The pack's flags, and the near-misses of them it reports (DSV4_..., dsv41_...): read by the pack only.
 LATE_PREFIXES = ("DSV4", "dsv4")
 # Warm parents per test process (about 0.9 GB each); the least recently used one goes first.
@@ -230,7 +232,10 @@ def _as_python(args) -> Optional[list]:
         if os.path.realpath(interpreter) != os.path.realpath(sys.executable):
             return None
         args = [interpreter, *args]
-    if len(args) < 2 or args[1].startswith("-") and not (args[1] in ("-m", "-c") and len(args) > 2):
+    command = args[1:]
+    while command[:1] == ["-P"]:  # no unsafe path first on sys.path: the child leaves it off too (_zygote.py)
+        command = command[1:]
+    if not command or command[0].startswith("-") and not (command[0] in ("-m", "-c") and len(command) > 1):
         return None
     return args
 

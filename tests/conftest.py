@@ -16,6 +16,7 @@ import torch
 from sglang_dsv41_adapters.folded_fence import fence_forms
 from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import log, runtime
+from harness import zygote
 from harness.doctored import doctored_module  # noqa: F401  (used by the test modules)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,8 +183,9 @@ def build_kernel(*args: str, env: dict | None = None, root: Path = ROOT) -> subp
     """`sglang-adapters build-kernel ARGS`, the Dockerfile's kernel step, from the checkout at `root`
     (the pack there first on the path, as installed in the image)."""
     env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
-    return subprocess.run([sys.executable, "-P", str(ROOT / "entrypoint.py"), "build-kernel", *args], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=280)
+    # a child of a parent that imported torch but not the engine (harness.zygote.popen_once), as the step imports
+    return zygote.run([sys.executable, "-P", str(ROOT / "entrypoint.py"), "build-kernel", *args], cwd=root,
+                      env=env, capture_output=True, text=True, timeout=280, once=True)
 
 
 @pytest.fixture(scope="session")

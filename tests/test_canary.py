@@ -22,7 +22,8 @@ import pytest
 
 from sglang_dsv41_adapters import cli
 from sglang_dsv41_adapters.rollout import identifiers, outputs
-from harness.engines import ROOT
+from harness import zygote
+from harness.engines import ROOT, engine_env, python
 from tests.standin_server import Server, echo, metrics, token_id, tokens
 
 SCHEMA = json.loads((ROOT / "docs" / "canary-verdict.schema.json").read_text())
@@ -621,9 +622,10 @@ def engine_metrics(tmp_path):
         folder, model, log = tmp_path / f"prometheus-{n}", tmp_path / f"model-{n}", tmp_path / f"server-{n}.log"
         folder.mkdir(), model.mkdir()
         with open(log, "w") as err:
-            child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "engine_metrics_server.py"), str(model), *args],
-                                     stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
-                                     env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)})
+            # from a warm parent (harness.zygote); stdin a pipe: this test reads the port line itself
+            child = zygote.popen([python(), str(ROOT / "tests" / "engine_metrics_server.py"), str(model), *args],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+                                 env=engine_env("0.5.23", PROMETHEUS_MULTIPROC_DIR=str(folder)))
         started.append(child)
         line = child.stdout.readline()  # "port N" once it listens; nothing if it died
         assert line.startswith("port "), log.read_text()[-3000:]
@@ -633,6 +635,7 @@ def engine_metrics(tmp_path):
     for child in started:
         child.terminate()
         child.wait(timeout=30)
+        child.stdin.close(), child.stdout.close()
 
 
 def test_the_engines_own_metrics_pass(engine_metrics, capsys):

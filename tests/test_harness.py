@@ -39,3 +39,53 @@ def test_a_path_that_shadows_a_dependency_gets_a_fresh_interpreter():
     once = what(zygote.popen_once, env)
     assert not once["served"]
     assert once["transformers"].startswith(str(ROOT / ".engines" / "deps-0.5.18")), once["transformers"]
+
+
+
+VALUES = ("import json, os, prometheus_client\n"
+          "from prometheus_client import values\n"
+          "prometheus_client.Gauge('probe', 'p', multiprocess_mode='mostrecent').set(1)\n"
+          "folder = os.environ.get('PROMETHEUS_MULTIPROC_DIR')\n"
+          "files = sorted(os.listdir(folder)) if folder else []\n"
+          "print(json.dumps({'class': values.ValueClass.__name__, 'files': [f.replace(str(os.getpid()), 'PID') for f in files]}))")
+
+
+def values_of(popen, env, folder) -> dict:
+    proc = popen([python(), "-c", VALUES], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    for entry in folder.iterdir():
+        entry.unlink()
+    return {**json.loads(out), "served": isinstance(proc, zygote.Child)}
+
+
+def test_one_warm_parent_serves_children_with_and_without_a_metrics_folder(tmp_path):
+    """prometheus_client picks where values live when it is imported (PROMETHEUS_MULTIPROC_DIR):
+    a warm parent's child picks again in its own environment, as a fresh interpreter does."""
+    folder = tmp_path / "prometheus"
+    folder.mkdir()
+    plain = engine_env("0.5.23")
+    plain.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    metrics = {**plain, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
+    served = [values_of(zygote.popen, env, folder) for env in (metrics, plain, metrics)]
+    fresh = [values_of(subprocess.Popen, env, folder) for env in (metrics, plain)]
+    assert all(s["served"] for s in served) and not any(f["served"] for f in fresh)
+    assert [{**s, "served": None} for s in served] == [{**f, "served": None} for f in fresh + fresh[:1]]
+    assert fresh[0] == {"class": "MmapedValue", "files": ["gauge_mostrecent_PID.db"], "served": False}, fresh
+    assert fresh[1] == {"class": "MutexValue", "files": [], "served": False}, fresh
+    assert zygote._zygote_for(python(), metrics) is zygote._zygote_for(python(), plain)  # one parent for both
+
+
+def test_a_safe_path_child_leaves_its_folder_off_the_path_as_a_fresh_interpreter_does(tmp_path):
+    """`python -P` (no unsafe path first on sys.path) is served by a warm parent, its sys.path a fresh one's."""
+    env = engine_env("0.5.23")
+    paths = {}
+    for options in ([], ["-P"]):
+        for popen in (subprocess.Popen, zygote.popen):
+            proc = popen([python(), *options, "-c", "import json, sys; print(json.dumps(sys.path))"], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err[-3000:]
+            paths[tuple(options), isinstance(proc, zygote.Child)] = json.loads(out)
+    assert paths[(), True] == paths[(), False] and paths[("-P",), True] == paths[("-P",), False], paths
+    assert paths[(), False][0] == "" and paths[("-P",), False] == paths[(), False][1:], paths

@@ -14,12 +14,12 @@ import ipaddress
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from sglang_dsv41_adapters.framework import runtime
+from harness import zygote
 from harness.engines import ROOT
 from tests.test_image import ENV_FILE, read_env_file, read_server_args
 
@@ -254,9 +254,9 @@ def test_the_analysis_job_gives_argo_the_canarys_verdict(servers, case, canary, 
     base = servers(metrics=metrics(verify_step=canary.pop("baseline_verify_step", 100)))
     new = servers(metrics=metrics(**canary))
     args = analysis_args(template, {"baseline-url": base.url, "canary-url": new.url, "window": "1"})
-    done = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), *args, "--interval", "0.2", "--stall", "0.5",
-                           "--identifiers", "40", "--long", "1"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = zygote.run([sys.executable, str(ROOT / "entrypoint.py"), *args, "--interval", "0.2", "--stall", "0.5",
+                       "--identifiers", "40", "--long", "1"], capture_output=True, text=True, timeout=300,
+                      env={**os.environ, "PYTHONPATH": str(ROOT)})  # from a warm parent (harness.zygote)
     code = {"pass": 0, "fail": 1, "inconclusive": 3}[case]
     assert done.returncode == code, done.stdout + done.stderr
     assert re.search(rf"^canary {case.upper()}: compared ", done.stdout, re.M), done.stdout

@@ -7,17 +7,16 @@ collectors into one PROMETHEUS_MULTIPROC_DIR, read back through the engine's met
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import urllib.request
 
 import pytest
 import yaml
 
-from harness.engines import ROOT, served_metrics
+from harness import zygote
+from harness.engines import ROOT, engine_env, python, served_metrics
 
 MONITORING = ROOT / "monitoring"
 RULES = MONITORING / "sglang-adapters.rules.yaml"
@@ -106,12 +105,12 @@ def served(tmp_path_factory):
     and the engine's (tests/engine_metrics_server.py: its own collectors, four TP ranks), one folder."""
     folder = tmp_path_factory.mktemp("prometheus")
     model = tmp_path_factory.mktemp("model")
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder), "PYTHONPATH": str(ROOT)}
-    recorded = subprocess.run([sys.executable, "-c", RECORD], capture_output=True, text=True, env=env, cwd=ROOT,
-                              timeout=300)
+    env = engine_env("0.5.23", PROMETHEUS_MULTIPROC_DIR=str(folder))
+    # both from a warm parent (harness.zygote); the server's stdin a pipe: this fixture reads its port line itself
+    recorded = zygote.run([python(), "-c", RECORD], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert recorded.returncode == 0, recorded.stderr[-3000:]
-    engine = subprocess.Popen([sys.executable, str(ROOT / "tests" / "engine_metrics_server.py"), str(model)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    engine = zygote.popen([python(), str(ROOT / "tests" / "engine_metrics_server.py"), str(model)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
     try:
         line = engine.stdout.readline()
         assert line.startswith("port "), "the engine's metrics server did not start"
@@ -120,6 +119,7 @@ def served(tmp_path_factory):
     finally:
         engine.terminate()
         engine.wait(timeout=30)
+        engine.stdin.close(), engine.stdout.close()
     from prometheus_client.parser import text_string_to_metric_families
 
     labels: dict = {}
