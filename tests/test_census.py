@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from sglang_dsv41_adapters.engine import census
+from sglang_dsv41_adapters.engine import census, proofs
 from sglang_dsv41_adapters import folded_fence, group_min_memory, rank0_broadcast
 from sglang_dsv41_adapters.framework import required, runtime
 from sglang_dsv41_adapters.engine.installed import InstalledEngine
@@ -19,6 +19,7 @@ from tests import census_cases
 from tests.census_cases import CASES
 from harness.engines import ROOT, engine_env, python, release_sources
 from harness import zygote
+from harness.doctored import DoctoredEngine
 
 
 ALL_CASES = [(release, case) for release in CASES for case in CASES[release]]
@@ -123,3 +124,33 @@ def test_census_scan_is_cached_per_process(monkeypatch):
     opened.clear()
     assert census.references(engine, names) == first
     assert opened == []
+
+
+def test_a_copy_with_one_module_changed_reads_that_module_alone(monkeypatch, tmp_path):
+    """What a file's text holds is kept while its stat holds: the census of the installed engine with
+    one module added reads that module alone, and a module changed since is read again."""
+    monkeypatch.setattr(proofs, "RACY_NS", 0)  # keep what was read of a file written just now
+    monkeypatch.setenv(proofs.ENV, "off")  # every answer from the files, none from the proof cache
+    proofs.forget()
+    census.reset()
+    names = set(folded_fence.READERS)
+    opened = []
+    real_open = open
+    monkeypatch.setattr(census, "open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k),
+                        raising=False)
+    installed = census.files_holding(InstalledEngine(), names)
+    assert len(opened) == len(InstalledEngine().files())
+    late = tmp_path / "late_reader.py"
+    late.write_text("def late(epilogue, bs):\n    return epilogue.read_accept(bs)\n")
+    opened.clear()
+    found = census.files_holding(DoctoredEngine({}, {"sglang.srt.late_reader": str(late)}), names)
+    assert opened == [str(late)] and found == installed | {("sglang.srt.late_reader", str(late))}
+    late.write_text("def late(epilogue, bs):\n    return None\n")  # another size: another stat
+    other = tmp_path / "other.py"
+    other.write_text("x = 1\n")
+    opened.clear()
+    found = census.files_holding(DoctoredEngine({}, {"sglang.srt.late_reader": str(late), "sglang.srt.other": str(other)}),
+                                 names)
+    assert sorted(opened) == sorted([str(late), str(other)]) and found == installed
+    proofs.forget()
+    census.reset()

@@ -109,6 +109,8 @@ def files_holding(engine, names) -> set:
 _HOLDING: dict = {}  # file set -> {name: files whose text holds it}
 _TREES: dict = {}    # file set -> its key in the proof cache (the modules' names and contents)
 _SORTED: dict = {}   # id(an engine's files mapping) -> (the mapping, its items sorted)
+_FOUND: dict = {}    # names -> {path: (the file's stat, which of the names its text holds)}
+FOUND_FILES = 20_000  # files kept per set of names: a few engine trees' worth
 
 
 def _sorted_files(engine) -> tuple:
@@ -129,13 +131,14 @@ def reset() -> None:
     """Forget which files hold which names and the references found (tests that change files)."""
     _HOLDING.clear()
     _TREES.clear()
+    _FOUND.clear()
     _references.cache_clear()
 
 
 def _holding(files: tuple, names: tuple) -> dict:
     """For each name, the files (module, path) whose text holds it: a plain substring test
-    (any alias site holds the name), all missing names in one read of the files; kept in
-    the proof cache per name under the content of every file (engine.proofs)."""
+    (any alias site holds the name), all missing names in one read of each file not read since
+    its stat changed; kept in the proof cache per name under the content of every file (engine.proofs)."""
     known = _HOLDING.setdefault(files, {})
     missing = set(names) - known.keys()
     if missing:
@@ -147,16 +150,11 @@ def _holding(files: tuple, names: tuple) -> dict:
                 known[name] = [(module, paths[module]) for module in stored]
         missing -= known.keys()
     if missing:
-        groups = _key_groups(missing)
+        asked = tuple(sorted(missing))
         hits = {name: [] for name in missing}
         for module, path in files:
-            with open(path, "rb") as handle:
-                data = handle.read()
-            for key, members in groups.items():
-                if key in data:
-                    for name, needle in members:
-                        if needle in data:
-                            hits[name].append((module, path))
+            for name in _names_in(path, asked):
+                hits[name].append((module, path))
         known.update(hits)
         _TREES[files] = proofs.tree_digest(files)
         if _TREES[files] == tree:  # no file changed while it was read: the key is the scan's
@@ -168,7 +166,21 @@ def _holding(files: tuple, names: tuple) -> dict:
     return {name: known[name] for name in names}
 
 
-def _key_groups(names) -> dict:
+def _names_in(path: str, names: tuple) -> frozenset:
+    """Which of `names` the text of the file at `path` holds: read again only where the file's
+    stat changed (engine.proofs.read_while_unchanged). A copy of the engine with one module
+    changed (a doctored tree, a preview build) reads only that module."""
+    def read() -> frozenset:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        return frozenset(name for key, members in _key_groups(names).items() if key in data
+                         for name, needle in members if needle in data)
+
+    return proofs.read_while_unchanged(_FOUND.setdefault(names, {}), path, read, keep=FOUND_FILES)
+
+
+@functools.lru_cache(maxsize=64)
+def _key_groups(names: tuple) -> dict:
     """Names grouped under a substring they share (at least 5 characters, or the whole
     name), each key tested on a file before its names: fewer passes over 60 MB of text,
     and a file without the key holds none of its names."""
