@@ -81,13 +81,11 @@ def watch_metric_values() -> None:
 
 
 def check_metric_values() -> None:
-    values = sys.modules.get("prometheus_client.values")
-    if values is None:
-        return
+    """Stop where importing made a metric value; else the watch ends, the parent's choice made as a child's."""
     if _made:
         raise SystemExit(f"importing the engine made prometheus metric values ({', '.join(_made[:3])}): a child "
                          "could not take PROMETHEUS_MULTIPROC_DIR from its own environment (harness.zygote.LATE)")
-    values.ValueClass = values.get_value_class()
+    _pick_metric_values()
 
 
 def _pick_metric_values() -> None:

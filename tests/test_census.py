@@ -110,15 +110,21 @@ def test_a_docstring_or_comment_is_no_reference(tmp_path):
                                                           ("sglang.loud", 2, census.STRING)]
 
 
-def test_census_scan_is_cached_per_process(monkeypatch):
+@pytest.fixture
+def opened(monkeypatch) -> list:
+    """The paths of the files the census opens, in order."""
+    paths = []
+    real_open = open
+    monkeypatch.setattr(census, "open", lambda path, *a, **k: paths.append(path) or real_open(path, *a, **k),
+                        raising=False)
+    return paths
+
+
+def test_census_scan_is_cached_per_process(opened):
     """The second look for the same names in the same files reads no file: its answer is kept."""
     engine = InstalledEngine()
     names = set(folded_fence.READERS)
     census.reset()
-    opened = []
-    real_open = open
-    monkeypatch.setattr(census, "open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k),
-                        raising=False)
     first = census.references(engine, names)
     assert opened and first  # the first look read the files
     opened.clear()
@@ -126,7 +132,7 @@ def test_census_scan_is_cached_per_process(monkeypatch):
     assert opened == []
 
 
-def test_a_copy_with_one_module_changed_reads_that_module_alone(monkeypatch, tmp_path):
+def test_a_copy_with_one_module_changed_reads_that_module_alone(monkeypatch, tmp_path, opened):
     """What a file's text holds is kept while its stat holds: the census of the installed engine with
     one module added reads that module alone, and a module changed since is read again."""
     monkeypatch.setattr(proofs, "RACY_NS", 0)  # keep what was read of a file written just now
@@ -134,10 +140,6 @@ def test_a_copy_with_one_module_changed_reads_that_module_alone(monkeypatch, tmp
     proofs.forget()
     census.reset()
     names = set(folded_fence.READERS)
-    opened = []
-    real_open = open
-    monkeypatch.setattr(census, "open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k),
-                        raising=False)
     installed = census.files_holding(InstalledEngine(), names)
     assert len(opened) == len(InstalledEngine().files())
     late = tmp_path / "late_reader.py"

@@ -16,11 +16,16 @@ SAYS = ("import json, sys, sglang, transformers\n"
         "print(json.dumps({'path': sys.path, 'sglang': sglang.__file__, 'transformers': transformers.__file__}))")
 
 
-def what(popen, env) -> dict:
-    proc = popen([python(), "-c", SAYS], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def printed(popen, args, env, cwd=ROOT) -> dict:
+    """The JSON object `python ARGS` printed, and whether a warm parent served it."""
+    proc = popen([python(), *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
     return {**json.loads(out), "served": isinstance(proc, zygote.Child)}
+
+
+def what(popen, env) -> dict:
+    return printed(popen, ["-c", SAYS], env)
 
 
 def test_a_trees_child_imports_that_trees_engine_as_a_fresh_interpreter_would(tmp_path):
@@ -41,7 +46,6 @@ def test_a_path_that_shadows_a_dependency_gets_a_fresh_interpreter():
     assert once["transformers"].startswith(str(ROOT / ".engines" / "deps-0.5.18")), once["transformers"]
 
 
-
 VALUES = ("import json, os, prometheus_client\n"
           "from prometheus_client import values\n"
           "prometheus_client.Gauge('probe', 'p', multiprocess_mode='mostrecent').set(1)\n"
@@ -51,12 +55,10 @@ VALUES = ("import json, os, prometheus_client\n"
 
 
 def values_of(popen, env, folder) -> dict:
-    proc = popen([python(), "-c", VALUES], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-3000:]
+    found = printed(popen, ["-c", VALUES], env)
     for entry in folder.iterdir():
         entry.unlink()
-    return {**json.loads(out), "served": isinstance(proc, zygote.Child)}
+    return found
 
 
 def test_one_warm_parent_serves_children_with_and_without_a_metrics_folder(tmp_path):
@@ -82,10 +84,7 @@ def test_a_safe_path_child_leaves_its_folder_off_the_path_as_a_fresh_interpreter
     paths = {}
     for options in ([], ["-P"]):
         for popen in (subprocess.Popen, zygote.popen):
-            proc = popen([python(), *options, "-c", "import json, sys; print(json.dumps(sys.path))"], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0, err[-3000:]
-            paths[tuple(options), isinstance(proc, zygote.Child)] = json.loads(out)
+            found = printed(popen, [*options, "-c", "import json, sys; print(json.dumps({'path': sys.path}))"], env, tmp_path)
+            paths[tuple(options), found["served"]] = found["path"]
     assert paths[(), True] == paths[(), False] and paths[("-P",), True] == paths[("-P",), False], paths
     assert paths[(), False][0] == "" and paths[("-P",), False] == paths[(), False][1:], paths
