@@ -14,11 +14,14 @@ what they should be. The boundary cases hand the check results of every shape.
 
 from __future__ import annotations
 
+import cProfile
 import functools
 import gc
 import importlib.util
 import pathlib
+import pstats
 import shutil
+import sys
 import types
 
 import pytest
@@ -136,6 +139,30 @@ def test_cheap_form_hands_out_the_engines_values_and_is_trusted_after_its_proofs
     # Trusted: the engine's path is not run any more (a wrapped that would raise is never called).
     outs = form(lambda **kw: pytest.fail("the engine's path ran"), dspark.executor, (), {"folded_accept": True, "bs": BS})
     assert type(outs) is dspark.module.AcceptOuts
+
+
+def test_a_profiler_python_cannot_put_back_stays_on_and_what_it_profiles_proves_nothing(dspark, capfd):
+    """cProfile on Python 3.11 holds the profile hook as an object that sys.setprofile cannot set
+    again: the fence leaves it in place, hands out the engine's values, says so once and trusts
+    nothing it did not see; once the profiler stops, the proofs are made as usual."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        held = sys.getprofile()
+        decision, _ = engine_then_fence(dspark, folded_call(dspark))
+        after = sys.getprofile()
+    finally:
+        profiler.disable()
+    if held is None:
+        pytest.skip("this Python's cProfile leaves the profile hook free (sys.monitoring): nothing to put back")
+    assert after is held
+    form = folded_form(decision)
+    assert (form.off, form.trusted) == (None, set())
+    lines = [line for line in capfd.readouterr().err.splitlines() if "cheap form" in line]
+    assert len(lines) == 1 and "cheap form not proven while cProfile.Profile profiles this process" in lines[0], lines
+    assert any("accept_and_finalize" in str(key) for key in pstats.Stats(profiler).stats)  # it saw the engine run
+    engine_then_fence(dspark, folded_call(dspark), decision=decision)
+    assert (form.off, form.trusted) == (None, {BS})
 
 
 def test_the_cheap_form_builds_accept_outs_positionally_only_where_that_is_the_same_call(dspark):

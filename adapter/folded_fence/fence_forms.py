@@ -134,6 +134,12 @@ class CheapForm:
         bs = kwargs["bs"]
         views = self._views(epilogue, bs)
         calls, result = traced(wrapped, args, kwargs)
+        if calls is None:  # not seen: this call proves nothing, either way
+            profiler = type(sys.getprofile())
+            say_once(("cheap form", "unseen"), f"cheap form not proven while {profiler.__module__}.{profiler.__qualname__} "
+                                             "profiles this process (a profiler Python cannot put back); the engine's "
+                                             "own result is copied (the general form) until it stops")
+            return detach_shared(result, epilogue)
         why = self._difference(wrapped, calls, result, epilogue, views)
         if why is not None:
             self.off, self.trusted = why, set()
@@ -190,10 +196,15 @@ def takes_positionally(cls, fields: tuple) -> bool:
     return tuple(p.name for p in params) == tuple(fields) and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
 
 
-def traced(wrapped, args, kwargs) -> tuple[list, object]:
+def traced(wrapped, args, kwargs) -> tuple[Optional[list], object]:
     """Call `wrapped` with every Python frame it enters recorded, each as the path of code
     objects from the first frame below this one down to it; no profiler of the process's
-    own is lost, it is put back after the call."""
+    own is lost, it is put back after the call. Where the process's profiler is one that
+    Python code cannot set again (cProfile's on Python 3.11: an object, not a function),
+    `wrapped` runs untraced and the calls are None."""
+    before = sys.getprofile()
+    if before is not None and not callable(before):
+        return None, wrapped(*args, **kwargs)
     calls, here = [], sys._getframe()
 
     def note(frame, event, arg):
@@ -204,7 +215,6 @@ def traced(wrapped, args, kwargs) -> tuple[list, object]:
                 frame = frame.f_back
             calls.append(path[::-1])
 
-    before = sys.getprofile()
     sys.setprofile(note)
     try:
         result = wrapped(*args, **kwargs)
