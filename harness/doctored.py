@@ -6,10 +6,22 @@ module name but not registered in sys.modules, so the real module stays as it wa
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import pathlib
+import shutil
 import tempfile
 from dataclasses import dataclass
+
+_SCRATCH: list = []  # this process's folder for copies made without a directory, removed when it exits
+
+
+def scratch_folder() -> pathlib.Path:
+    """A new folder for one copy, inside this process's scratch folder (removed at its exit)."""
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.mkdtemp(prefix="doctored-"))
+        atexit.register(shutil.rmtree, _SCRATCH[0], True)
+    return pathlib.Path(tempfile.mkdtemp(dir=_SCRATCH[0]))
 
 
 def doctored_module(real_name: str, *replacements: tuple[str, str], tail: str = "", directory=None):
@@ -18,7 +30,7 @@ def doctored_module(real_name: str, *replacements: tuple[str, str], tail: str = 
     for old, new in replacements:
         assert source.count(old) == 1, f"doctoring {real_name}: {old!r} is not in the real source exactly once"
         source = source.replace(old, new)
-    path = pathlib.Path(directory or tempfile.mkdtemp()) / (real_name.rpartition(".")[2] + "_doctored.py")
+    path = pathlib.Path(directory or scratch_folder()) / (real_name.rpartition(".")[2] + "_doctored.py")
     path.write_text(source + tail, encoding="utf-8")
     spec = importlib.util.spec_from_file_location(real_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -64,7 +76,7 @@ class DoctoredEngine:
 
 def new_module_file(name: str, text: str, directory=None) -> str:
     """A new engine module's source file (for DoctoredEngine's `added`)."""
-    path = pathlib.Path(directory or tempfile.mkdtemp()) / (name.replace(".", "_") + ".py")
+    path = pathlib.Path(directory or scratch_folder()) / (name.replace(".", "_") + ".py")
     path.write_text(text, encoding="utf-8")
     return str(path)
 

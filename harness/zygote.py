@@ -94,6 +94,7 @@ class _Zygote:
         self.listing, self.top_level = listing, set()
         self.early = env
         self.defaults: dict = {}  # what importing the engine set in the zygote's os.environ (setdefault)
+        self.engine_defaults: dict = {}  # a dependencies-only parent's: what its children's engine sets so
 
     def connect(self) -> socket.socket:
         self.wait_ready()
@@ -124,7 +125,8 @@ class _Zygote:
         """Whether `early` is this zygote's environment once the variables importing the engine
         sets to the same values are left aside (a test process that has imported the engine has
         them; sglang sets its cache folders with os.environ.setdefault)."""
-        return self.ready and _without(early, self.defaults) == _without(self.early, self.defaults)
+        defaults = {**self.defaults, **self.engine_defaults}
+        return self.ready and _without(early, defaults) == _without(self.early, defaults)
 
     def close(self) -> None:
         self.proc.kill()
@@ -182,11 +184,17 @@ def _dependencies_for(interpreter: str, early: dict) -> Optional[_Zygote]:
     key = (interpreter, tuple(sorted(beside.items())))
     with _lock:
         try:
-            if key not in _dependencies:
+            # As with an engine zygote, the variables importing the engine sets to the same values
+            # may differ (a test process that has imported it has them): the child's engine sets them.
+            found = key if key in _dependencies else next(
+                (k for k, p in _dependencies.items() if k[0] == interpreter and p.serves(beside)), None)
+            if found is None:
                 home = _zygote_for(interpreter, {**beside, "PYTHONPATH": HOME})
                 home.wait_ready()
+                found = key
                 _dependencies[key] = _Zygote(interpreter, beside, listing=home.address + ".modules")
-            parent = _dependencies[key]
+                _dependencies[key].engine_defaults = home.defaults
+            parent = _dependencies[found]
             parent.wait_ready()
         except Unavailable:
             return None

@@ -5,7 +5,6 @@ wrapped accept_draft_tokens by name (the issue's example)."""
 from __future__ import annotations
 
 import sys
-import tempfile
 
 WORKER = "sglang.srt.speculative.dspark_components.dspark_worker_v2"
 BINDING = ("from sglang.srt.speculative.dspark_components.dspark_verify import accept_draft_tokens as _accept\n"
@@ -18,7 +17,7 @@ def imported_by_name(rank, world_size) -> dict:
 
     decision = runtime.decide({"DSV41_SPEC_TP_SYNC": "all"})
     # The engine's modules as the rank has them, before the pack applies.
-    worker = doctored_module(WORKER, tail=BINDING, directory=tempfile.mkdtemp())
+    worker = doctored_module(WORKER, tail=BINDING)  # removed when the rank exits
     sys.modules[WORKER] = worker
     runtime.apply(decision)
     clean = audit.problems([s for s in patching.applied()], decision.engine,

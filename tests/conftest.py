@@ -70,6 +70,20 @@ def _proof_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _cuda_home():
+    """The run's processes name the CUDA compiler the kernel tests use (CUDA_HOME), where the
+    environment does not: torch reads it once, when torch.utils.cpp_extension is imported, and the
+    warm parents import it (harness.zygote), so a build that named it alone had parents of its own."""
+    home = cuda_home()
+    if home is None or "CUDA_HOME" in os.environ:
+        yield
+        return
+    os.environ["CUDA_HOME"] = home
+    yield
+    os.environ.pop("CUDA_HOME", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _tree_children_start_warm():
     """The interpreter that runs a tree's SpecTpSync (spectpsync.behaviour) starts from a parent that has
     imported torch (harness.zygote.popen_once): the same child, without the seconds of its imports."""
@@ -203,7 +217,7 @@ def sm80(tmp_path_factory) -> Path:
     with open(folder / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits here for the first one's build
         if not out.is_file():
-            done = build_kernel("--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home})
+            done = build_kernel("--archs", "8.0", "--out", str(out))  # the run's CUDA_HOME (_cuda_home)
             assert done.returncode == 0, done.stdout + done.stderr[-4000:]
             assert out.is_file() and not list(out.parent.glob("*.tmp"))
     return out

@@ -46,6 +46,22 @@ def test_a_path_that_shadows_a_dependency_gets_a_fresh_interpreter():
     assert once["transformers"].startswith(str(ROOT / ".engines" / "deps-0.5.18")), once["transformers"]
 
 
+def test_a_dependencies_parent_serves_children_with_or_without_what_importing_the_engine_sets(tmp_path):
+    """sglang sets its cache folders with os.environ.setdefault when it is imported, so a test process
+    that has imported it passes them on: a tree's child gets the same dependencies-only parent with or
+    without them (its own engine sets the same values), and imports that tree's engine."""
+    tree = next_release.tree(tmp_path / "tree", ["rename-alias"], "0.5.24")
+    env = engine_env("0.5.23", PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
+    parent = zygote._dependencies_for(python(), zygote._early(env))
+    defaults = parent.engine_defaults
+    assert "TRITON_CACHE_DIR" in defaults, defaults  # what importing 0.5.23 sets
+    bare = {k: v for k, v in env.items() if k not in defaults}
+    both = [zygote._dependencies_for(python(), zygote._early(e)) for e in (bare, {**bare, **defaults})]
+    assert both[0] is both[1] is parent
+    served = what(zygote.popen_once, {**bare, **defaults})
+    assert served["served"] and served["sglang"] == str(tree / "sglang" / "__init__.py")
+
+
 VALUES = ("import json, os, prometheus_client\n"
           "from prometheus_client import values\n"
           "prometheus_client.Gauge('probe', 'p', multiprocess_mode='mostrecent').set(1)\n"

@@ -154,19 +154,21 @@ def test_a_compile_error_names_the_source_file_and_line(tmp_path):
         pytest.skip("no CUDA compiler here (set CUDA_HOME): the kernel file cannot be built")
     pack = tmp_path / "sglang_dsv41_adapters"
     shutil.copytree(ROOT / "adapter", pack, ignore=shutil.ignore_patterns("__pycache__"))
-    host = pack / "folded_fence" / "kernels" / accept_snapshot.SOURCES[1]
-    lines = host.read_text().splitlines(keepends=True)
+    device = pack / "folded_fence" / "kernels" / accept_snapshot.SOURCES[0]
+    lines = device.read_text().splitlines(keepends=True)
     broken = next(i for i, line in enumerate(lines) if line.startswith("namespace {")) + 2
-    lines[broken - 1] = "  not_a_type broken_here;\n"
-    host.write_text("".join(lines))
+    lines.insert(broken - 1, "  not_a_type broken_here;\n")
+    device.write_text("".join(lines))
     out = tmp_path / "opt" / "k.so"
-    done = build_kernel("--archs", "8.0", "--out", str(out), env={"CUDA_HOME": home}, root=tmp_path)
+    # One compile at a time (torch's MAX_JOBS): the broken file is the first built, and the build
+    # stops there instead of finishing the host file beside it.
+    done = build_kernel("--archs", "8.0", "--out", str(out), env={"MAX_JOBS": "1"}, root=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr[-4000:]
     first = said(done.stderr)[0]  # the compiler's one-line cause first, the step and the archs named
-    assert first.startswith(f"build-kernel: NOT BUILT - archs 8.0, step compile: {host}:{broken}:3: error: "), first
+    assert first.startswith(f"build-kernel: NOT BUILT - archs 8.0, step compile: {device}({broken}): error: "), first
     assert first.endswith("--allow-clones 1 (the image's --build-arg ALLOW_CLONE_FENCE=1) to ship a fence that uses "
                           "clones (exit 1)"), first
-    assert f"{host}:{broken}:3: error: " in done.stderr and "not_a_type" in done.stderr, done.stderr[-4000:]
+    assert f"{device}({broken}): error: " in done.stderr and "not_a_type" in done.stderr, done.stderr[-4000:]
     assert not out.exists() and not list(out.parent.glob("*"))
 
 
