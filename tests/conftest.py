@@ -193,13 +193,16 @@ def cuda_home() -> str | None:
     return home if os.access(os.path.join(home, "bin", "nvcc"), os.X_OK) else None
 
 
-def build_kernel(*args: str, env: dict | None = None, root: Path = ROOT) -> subprocess.CompletedProcess:
+def build_kernel(*args: str, env: dict | None = None, root: Path = ROOT, warm: bool = True) -> subprocess.CompletedProcess:
     """`sglang-adapters build-kernel ARGS`, the Dockerfile's kernel step, from the checkout at `root`
-    (the pack there first on the path, as installed in the image)."""
+    (the pack there first on the path, as installed in the image). `warm`: a child of a parent that
+    imported torch but not the engine (harness.zygote.popen_once), as the step imports; else a fresh
+    interpreter (cheaper where no such parent has the environment: torch reads CUDA_HOME when imported)."""
     env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
-    # a child of a parent that imported torch but not the engine (harness.zygote.popen_once), as the step imports
-    return zygote.run([sys.executable, "-P", str(ROOT / "entrypoint.py"), "build-kernel", *args], cwd=root,
-                      env=env, capture_output=True, text=True, timeout=280, once=True)
+    command = [sys.executable, "-P", str(ROOT / "entrypoint.py"), "build-kernel", *args]
+    if not warm:
+        return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    return zygote.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=280, once=True)
 
 
 @pytest.fixture(scope="session")

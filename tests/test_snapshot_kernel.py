@@ -132,15 +132,15 @@ def test_no_compiler_is_one_line_naming_the_archs_the_step_and_the_option(tmp_pa
     """A machine without nvcc, as CI runs the image's kernel step: the first line is the verdict,
     the archs, the step, the cause and the fix; nothing is written."""
     out = tmp_path / "k.so"
-    done = build_kernel("--archs", "9.0 10.0", "--out", str(out), env={"CUDA_HOME": str(tmp_path / "no-cuda")})
+    nowhere = {"CUDA_HOME": str(tmp_path / "no-cuda")}  # two short commands: fresh interpreters (build_kernel)
+    done = build_kernel("--archs", "9.0 10.0", "--out", str(out), env=nowhere, warm=False)
     assert done.returncode == 1, done.stderr[-3000:]
     (line,) = said(done.stderr)
     assert line.startswith(f"build-kernel: NOT BUILT - archs 9.0 10.0, step find nvcc: no CUDA compiler "
                            f"(CUDA_HOME='{tmp_path / 'no-cuda'}', "), line
     assert line.endswith("; fix: correct the build, or pass --allow-clones 1 (the image's --build-arg "
                          "ALLOW_CLONE_FENCE=1) to ship a fence that uses clones (exit 1)"), line
-    allowed = build_kernel("--archs", "9.0", "--out", str(out), "--allow-clones", "1",
-                           env={"CUDA_HOME": str(tmp_path / "no-cuda")})
+    allowed = build_kernel("--archs", "9.0", "--out", str(out), "--allow-clones", "1", env=nowhere, warm=False)
     assert allowed.returncode == 0 and said(allowed.stderr)[0].startswith(
         "build-kernel: NOT BUILT, the fence will use clones (allowed by --allow-clones 1) - archs 9.0, step find nvcc: ")
     assert not out.exists()
