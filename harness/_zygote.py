@@ -49,13 +49,28 @@ PACK = "sglang_dsv41_adapters"
 COLLECTION = (100_000, 50, 50)
 
 
+_SET_BY_DEFAULT: dict = {}  # what importing the engine passed to os.environ.setdefault and holds
+
+
 def preload() -> None:
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if not (exc.name and (name == exc.name or name.startswith(exc.name + "."))):
-                raise  # a module of this release that fails to import is an error, not a skip
+    plain = type(os.environ).setdefault
+
+    def setdefault(key, value=None):  # noted whether or not the variable was there already
+        held = plain(os.environ, key, value)
+        if held == value:
+            _SET_BY_DEFAULT[key] = value
+        return held
+
+    os.environ.setdefault = setdefault  # this object's alone, while the engine imports
+    try:
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as exc:
+                if not (exc.name and (name == exc.name or name.startswith(exc.name + "."))):
+                    raise  # a module of this release that fails to import is an error, not a skip
+    finally:
+        del os.environ.setdefault
     if any(module == PACK or module.startswith(PACK + ".") for module in sys.modules):
         raise SystemExit("the engine imported the pack while loading: a zygote would hand children its decision")
 
@@ -212,8 +227,9 @@ def serve(address: str) -> None:
     listener.settimeout(0.05)
     parent = os.getppid()
     waiting = {}  # pid -> the connection its status goes back on
-    with open(address + ".starting", "w") as ready:  # what importing the engine set in os.environ
-        json.dump({k: v for k, v in os.environ.items() if STARTED_WITH.get(k) != v}, ready)
+    with open(address + ".starting", "w") as ready:  # what importing the engine set in os.environ, or would have
+        json.dump({**{k: v for k, v in os.environ.items() if STARTED_WITH.get(k) != v},
+                   **{k: v for k, v in _SET_BY_DEFAULT.items() if os.environ.get(k) == v}}, ready)
     os.replace(address + ".starting", address + ".ready")
     while os.getppid() == parent:  # the test process that started us is gone: so are we
         try:
