@@ -7,21 +7,25 @@ module name but not registered in sys.modules, so the real module stays as it wa
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.util
 import pathlib
 import shutil
 import tempfile
 from dataclasses import dataclass
 
-_SCRATCH: list = []  # this process's folder for copies made without a directory, removed when it exits
+
+@functools.cache
+def _scratch() -> str:
+    """This process's folder for copies made without a directory, removed when it exits."""
+    folder = tempfile.mkdtemp(prefix="doctored-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def scratch_folder() -> pathlib.Path:
-    """A new folder for one copy, inside this process's scratch folder (removed at its exit)."""
-    if not _SCRATCH:
-        _SCRATCH.append(tempfile.mkdtemp(prefix="doctored-"))
-        atexit.register(shutil.rmtree, _SCRATCH[0], True)
-    return pathlib.Path(tempfile.mkdtemp(dir=_SCRATCH[0]))
+    """A new folder for one copy, inside this process's scratch folder."""
+    return pathlib.Path(tempfile.mkdtemp(dir=_scratch()))
 
 
 def doctored_module(real_name: str, *replacements: tuple[str, str], tail: str = "", directory=None):

@@ -144,11 +144,18 @@ def _without(env: dict, defaults: dict) -> dict:
     return {k: v for k, v in env.items() if defaults.get(k) != v}
 
 
+def _serving(parents: dict, key: tuple, early: dict) -> Optional[tuple]:
+    """The key in `parents` of the one that serves `early` (the parent made for `key` first), or None."""
+    if key in parents:
+        return key
+    return next((k for k, parent in parents.items() if k[0] == key[0] and parent.serves(early)), None)
+
+
 def _zygote_for(interpreter: str, env: dict) -> _Zygote:
     early = _early(env)
     key = (interpreter, tuple(sorted(early.items())))
     with _lock:
-        found = key if key in _warm else next((k for k, z in _warm.items() if k[0] == interpreter and z.serves(early)), None)
+        found = _serving(_warm, key, early)
         if found is not None:
             _warm.move_to_end(found)
             return _warm[found]
@@ -186,15 +193,14 @@ def _dependencies_for(interpreter: str, early: dict) -> Optional[_Zygote]:
         try:
             # As with an engine zygote, the variables importing the engine sets to the same values
             # may differ (a test process that has imported it has them): the child's engine sets them.
-            found = key if key in _dependencies else next(
-                (k for k, p in _dependencies.items() if k[0] == interpreter and p.serves(beside)), None)
+            found = _serving(_dependencies, key, beside)
             if found is None:
                 home = _zygote_for(interpreter, {**beside, "PYTHONPATH": HOME})
                 home.wait_ready()
-                found = key
-                _dependencies[key] = _Zygote(interpreter, beside, listing=home.address + ".modules")
-                _dependencies[key].engine_defaults = home.defaults
-            parent = _dependencies[found]
+                parent = _dependencies[key] = _Zygote(interpreter, beside, listing=home.address + ".modules")
+                parent.engine_defaults = home.defaults
+            else:
+                parent = _dependencies[found]
             parent.wait_ready()
         except Unavailable:
             return None
