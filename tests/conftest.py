@@ -10,8 +10,12 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
-import torch
+from harness._zygote import COLLECTION
+
+gc.set_threshold(*COLLECTION)  # from here, as in the warm parents: collecting imports torch and the engine
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from sglang_dsv41_adapters.folded_fence import fence_forms
 from sglang_dsv41_adapters import folded_fence
@@ -114,16 +118,22 @@ def _imports_kept_out_of_collections():
     """What collecting the tests imported (torch and the engine: about 700,000 objects) stays for the
     whole run, as in harness/_zygote.py: collected once, then frozen, so that the collections the
     tests set off walk only what the tests make; and those come as seldom as in the zygote's
-    children (harness._zygote.COLLECTION)."""
-    from harness._zygote import COLLECTION
-
-    before = gc.get_threshold()
+    children (harness._zygote.COLLECTION, set when this file is imported). Left frozen at the end:
+    pytest's last collections and the interpreter's walk only what the last file made."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(*COLLECTION)
     yield
-    gc.set_threshold(*before)
-    gc.unfreeze()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _earlier_files_kept_out_of_collections():
+    """What the files before this one left (the engines' syntax trees the pack keeps, the warm parents'
+    handles: three million objects and more by the end of a run) is collected once, then frozen, so
+    that a collection a test sets off (gc.collect() to free an epilogue) walks what this file made,
+    not the whole run's (about 3 s each)."""
+    gc.collect()  # walks only what the file before made: the rest is frozen already
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(autouse=True)
