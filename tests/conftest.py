@@ -102,8 +102,9 @@ def _tree_children_start_warm():
 @pytest.hookimpl(tryfirst=True)
 def pytest_unconfigure(config):
     """The pack's syntax trees dropped before pytest's own last collections (its unraisable-exception
-    plugin collects twice as a test process ends): the trees of every engine the run read, millions
-    of objects, none cyclic, that each collection would otherwise walk (seconds per process)."""
+    plugin collects twice as a test process ends): those the last file read are not frozen yet
+    (_kept_out_of_collections), and each collection would otherwise walk them; the frozen ones are
+    freed with them, none cyclic."""
     from sglang_dsv41_adapters.engine import flow, proofs, syntax
 
     for cache in (flow._PARSED, flow._NAMES):
@@ -113,24 +114,16 @@ def pytest_unconfigure(config):
     proofs.forget()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _imports_kept_out_of_collections():
-    """What collecting the tests imported (torch and the engine: about 700,000 objects) stays for the
-    whole run, as in harness/_zygote.py: collected once, then frozen, so that the collections the
-    tests set off walk only what the tests make; and those come as seldom as in the zygote's
-    children (harness._zygote.COLLECTION, set when this file is imported). Left frozen at the end:
-    pytest's last collections and the interpreter's walk only what the last file made."""
-    gc.collect()
-    gc.freeze()
-    yield
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _earlier_files_kept_out_of_collections():
-    """What the files before this one left (the engines' syntax trees the pack keeps, the warm parents'
-    handles: three million objects and more by the end of a run) is collected once, then frozen, so
-    that a collection a test sets off (gc.collect() to free an epilogue) walks what this file made,
-    not the whole run's (about 3 s each)."""
+def _kept_out_of_collections():
+    """Before each file, what is there already is collected once, then frozen, as harness/_zygote.py
+    freezes the engine: first what collecting the tests imported (torch and the engine: about 700,000
+    objects), then what each file left (the engines' syntax trees the pack keeps, the warm parents'
+    handles: three million objects and more by the end of a run). A collection a test sets off
+    (gc.collect() to free an epilogue) walks what its file made, not the whole run's (about 3 s each),
+    and collections come as seldom as in the zygote's children (harness._zygote.COLLECTION, set when
+    this file is imported). Left frozen at the end: pytest's last collections and the interpreter's
+    walk only what the last file made."""
     gc.collect()  # walks only what the file before made: the rest is frozen already
     gc.freeze()
     yield
