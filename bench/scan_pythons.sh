@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The native scan on each Python the engine supports: for each interpreter, a venv of its own with
-# the engine's pinned dependencies (torch included), then the kernel file built by the image's own
-# command (conftest's sm80: `sglang-adapters build-kernel --archs 8.0`, needs nvcc, no GPU) and the
-# scan's CPU tests run against it (tests/test_boundary_scan.py, tests/test_snapshot_kernel.py):
+# the engine's pinned dependencies (torch included), then the kernel file built by the Dockerfile's
+# kernel step in the image's Python made from that venv (conftest's sm80: sm_80 only, needs nvcc, no
+# GPU) and the scan's CPU tests run against it (tests/test_boundary_scan.py, tests/test_snapshot_kernel.py):
 #
 #   bash bench/scan_pythons.sh OUT [PYTHON ...]     (default: pyenv's 3.11.7 3.12.1 3.13.0)
 #

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
+import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -22,6 +25,7 @@ from sglang_dsv41_adapters import folded_fence
 from sglang_dsv41_adapters.framework import log, runtime
 from harness import zygote
 from harness.doctored import doctored_module  # noqa: F401  (used by the test modules)
+from tests import deployment_image
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -208,25 +212,58 @@ def build_kernel(*args: str, env: dict | None = None, root: Path = ROOT, warm: b
     return zygote.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=280, once=True)
 
 
+@contextlib.contextmanager
+def run_folder(tmp_path_factory, name: str):
+    """A folder every xdist worker of this test run shares (a session's own without xdist),
+    held under a lock: the first worker to need what it holds makes it, the others wait."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
+    folder = (tmp_path_factory.getbasetemp().parent / f"{name}-{run}") if run else tmp_path_factory.mktemp(name)
+    folder.mkdir(exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield folder
+
+
 @pytest.fixture(scope="session")
-def sm80(tmp_path_factory) -> Path:
-    """A real kernel file for sm_80 only (one architecture: the quickest build, ~45 s on 2 cores),
-    built once per test run: the kernel tests and the boundary scan's share it, and so do the
-    run's xdist workers (the first to need it builds it under a lock in their common folder)."""
+def image_venv(tmp_path_factory) -> Path:
+    """The image's Python (tests/deployment_image.py: the pack's wheel beside the engine), made
+    once per test run."""
+    with run_folder(tmp_path_factory, "image") as folder:
+        if not (folder / "made").is_file():
+            shutil.rmtree(folder / "image", ignore_errors=True)  # what a failed try left
+            deployment_image.make(folder / "image")
+            (folder / "made").touch()
+    return folder / "image" / "venv"
+
+
+@pytest.fixture(scope="session")
+def kernel_step(image_venv, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The Dockerfile's kernel step, run once per test run in the image's Python with a CUDA
+    compiler, for sm_80 only (one architecture: the quickest build, ~45 s on 2 cores): what it
+    printed, and the kernel file it wrote (/opt/sglang-dsv41 being a folder of the run's)."""
     home = cuda_home()
     if home is None:
         pytest.skip("no CUDA compiler here (set CUDA_HOME): the kernel file cannot be built")
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one run
-    folder = (tmp_path_factory.getbasetemp().parent / f"kernel-sm80-{run}") if run else tmp_path_factory.mktemp("kernel")
-    folder.mkdir(exist_ok=True)
-    out = folder / "dsv41_accept_snapshot.so"
-    with open(folder / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits here for the first one's build
-        if not out.is_file():
-            done = build_kernel("--archs", "8.0", "--out", str(out))  # the run's CUDA_HOME (_cuda_home)
-            assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-            assert out.is_file() and not list(out.parent.glob("*.tmp"))
-    return out
+    with run_folder(tmp_path_factory, "kernel-step") as folder:
+        kernel, log = folder / "opt" / "dsv41_accept_snapshot.so", folder / "step.json"
+        if not log.is_file():
+            work = folder / "workdir"
+            work.mkdir(exist_ok=True)
+            done = deployment_image.run_kernel_step(deployment_image.Image(image_venv, work), kernel,
+                                                    {"SNAPSHOT_KERNEL_ARCHS": "8.0"}, {"CUDA_HOME": home}, timeout=420)
+            log.write_text(json.dumps([done.args, done.returncode, done.stdout, done.stderr]))
+        return subprocess.CompletedProcess(*json.loads(log.read_text())), kernel
+
+
+@pytest.fixture(scope="session")
+def sm80(kernel_step) -> Path:
+    """A real kernel file for sm_80: the image's kernel step's (conftest's kernel_step), shared by
+    the kernel tests, the boundary scan's and test_image. The image's wheel carries the checkout's
+    sources byte for byte (test_image), so the checkout's pack loads it."""
+    done, kernel = kernel_step
+    assert done.returncode == 0 and kernel.is_file(), done.stdout[-3000:] + done.stderr[-4000:]
+    assert not list(kernel.parent.glob("*.tmp"))
+    return kernel
 
 
 @pytest.fixture

@@ -98,7 +98,7 @@ def test_readme_links_every_docs_page_and_every_link_resolves():
 def test_the_bisection_example_works_with_the_recipes_env_file():
     """The recipe's bisection step, as run.sh passes it (--env-file adapters.env, then the
     example's -e, which wins), is accepted on the image's engine and hands the selection over."""
-    from tests.test_image import ENV_FILE, read_env_file
+    from tests.deployment_image import ENV_FILE, read_env_file
 
     text = (RECIPE / "README.md").read_text()
     (example,) = re.findall(r'^   EXTRA_ENV="-e (\w+)=(\S+)" MODEL_DIR=\.\.\. recipes/dsv41-flash-tp4-dspark/run\.sh$', text,

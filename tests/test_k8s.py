@@ -21,7 +21,7 @@ import pytest
 from sglang_dsv41_adapters.framework import runtime
 from harness import zygote
 from harness.engines import ROOT
-from tests.test_image import ENV_FILE, read_env_file, read_server_args
+from tests.deployment_image import ENV_FILE, read_env_file, read_server_args
 
 K8S = ROOT / "recipes" / "dsv41-flash-tp4-dspark" / "k8s"
 CRD_SCHEMAS = {"LeaderWorkerSet": ROOT / "tests" / "schemas" / "leaderworkerset-v1.json",

@@ -25,7 +25,7 @@ from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.topology import Topology
 from tests.next_release_cases import row as as_row
-from tests.test_image import DOCKERFILE, dockerfile_args
+from tests.deployment_image import DOCKERFILE, dockerfile_args
 
 pytestmark = pytest.mark.timeout(300)
 
