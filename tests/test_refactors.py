@@ -25,7 +25,7 @@ from sglang_dsv41_adapters.engine.source_engine import SourceEngine
 from sglang_dsv41_adapters.framework import runtime
 from sglang_dsv41_adapters.framework.topology import Topology
 from tests.next_release_cases import row as as_row
-from tests.deployment_image import DOCKERFILE, dockerfile_args
+from tests.deployment_image import dockerfile_args, dockerfile_instructions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,8 +91,7 @@ def test_each_refactor_is_judged_by_what_runs_alike_from_source_and_imported(sha
 
 def dockerfile_doctor() -> str:
     """The image build's doctor command, as the Dockerfile writes it."""
-    (step,) = [line for line in re.sub(r"\\\n", "", DOCKERFILE.read_text()).splitlines()
-               if "sglang-adapters doctor" in line and line.startswith("RUN ")]
+    (step,) = [args for instr, args in dockerfile_instructions() if instr == "RUN" and "sglang-adapters doctor" in args]
     return step[step.index("sglang-adapters doctor"):]
 
 
